@@ -1,0 +1,85 @@
+"""``pdserve`` command line: the only place that reads argv and environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from launch.processes import EngineFailed, PortBusy
+
+
+def _add_dev(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dev", help="prefill + decode engines on this machine, proxy in front")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default, embedded), 'tiny' (test model), a local HF model "
+                        "directory, or a hub id where the hub is reachable")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--engine-base-port", type=int, default=8100,
+                   help="prefill engine on this port, decode on the next")
+    p.add_argument("--side-channel-base-port", type=int, default=5600)
+    p.add_argument("--policy", default="disaggregate",
+                   help="disaggregate | local | threshold:N")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--lease-s", type=int, default=30)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require this bearer token on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--log-dir", type=Path, default=Path(".pdserve/logs"))
+    p.add_argument("--start-timeout-s", type=float, default=600.0)
+
+
+def _model_name(model: str) -> str:
+    return {"smollm2": "SmolLM2-135M-Instruct", "tiny": "pdserve-tiny"}.get(
+        model, Path(model).name if os.path.isdir(model) else model
+    )
+
+
+def _run_dev(args: argparse.Namespace) -> int:
+    from launch.dev import DevOptions, run_dev
+    from launch.models import ensure_model
+
+    path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    opts = DevOptions(
+        model_path=str(path),
+        served_model_name=args.served_model_name or _model_name(args.model),
+        port=args.port,
+        host=args.host,
+        engine_base_port=args.engine_base_port,
+        side_channel_base_port=args.side_channel_base_port,
+        policy=args.policy,
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len,
+        api_key=args.api_key,
+        log_dir=args.log_dir,
+        start_timeout_s=args.start_timeout_s,
+        lease_s=args.lease_s,
+    )
+    return run_dev(opts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_dev(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "dev":
+            return _run_dev(args)
+    except (PortBusy, EngineFailed, ValueError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Dev mode: a prefill engine and a decode engine as two local processes, the proxy in this one.
+
+On CPU each engine gets its own core; on one GPU each gets a share of its memory. Start-up shows
+progress; Ctrl-C or SIGTERM stops the proxy and then both engine process groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.processes import (
+    EngineProcess,
+    check_ports_free,
+    start_engine,
+    stop_engines,
+    wait_ready,
+)
+from transport.connector import ConnectorOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DevOptions:
+    model_path: str
+    served_model_name: str
+    port: int = 8000
+    host: str = "127.0.0.1"
+    engine_base_port: int = 8100
+    side_channel_base_port: int = 5600
+    policy: str = "disaggregate"
+    kv_cache_gib: float = 2.0
+    max_model_len: int = 4096
+    api_key: str | None = None
+    log_dir: Path = Path(".pdserve/logs")
+    start_timeout_s: float = 600.0
+    lease_s: int = 30
+
+
+def engine_specs(opts: DevOptions) -> tuple[EngineSpec, EngineSpec]:
+    device = detect_device()
+    base = EngineSpec(
+        role="prefill",
+        model=opts.model_path,
+        served_model_name=opts.served_model_name,
+        port=opts.engine_base_port,
+        side_channel_port=opts.side_channel_base_port,
+        device=device,
+        kv_cache_gib=opts.kv_cache_gib,
+        dtype=default_dtype(device),
+        max_model_len=opts.max_model_len,
+        connector=ConnectorOptions(lease_s=opts.lease_s),
+    )
+    cores = (os.cpu_count() or 1) >= 2 and device == "cpu"
+    prefill = replace(base, cpu_cores="0" if cores else None)
+    decode = replace(
+        base,
+        role="decode",
+        port=opts.engine_base_port + 1,
+        side_channel_port=opts.side_channel_base_port + 1,
+        cpu_cores="1" if cores else None,
+    )
+    return prefill, decode
+
+
+class Progress:
+    """One status line on stderr: redrawn in place on a terminal, every 10 s otherwise."""
+
+    def __init__(self) -> None:
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, elapsed: float, pending: list[EngineProcess]) -> None:
+        if pending:
+            names = ", ".join(e.spec.role for e in pending)
+            msg = f"starting engines: {elapsed:5.0f}s, waiting for {names}"
+        else:
+            msg = f"engines ready after {elapsed:.0f}s"
+        if self._tty:
+            sys.stderr.write("\r\033[K" + msg + ("\n" if not pending else ""))
+            sys.stderr.flush()
+        elif not pending or elapsed - self._last >= 10:
+            self._last = elapsed
+            print(msg, file=sys.stderr, flush=True)
+
+
+def run_dev(opts: DevOptions) -> int:
+    """Run dev mode until interrupted; return the process exit code."""
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.config import ProxyConfig
+
+    # SIGTERM must unwind like Ctrl-C so the engines are stopped, never orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    prefill_spec, decode_spec = engine_specs(opts)
+    check_ports_free(
+        [
+            ("proxy", opts.port),
+            ("prefill engine", prefill_spec.port),
+            ("decode engine", decode_spec.port),
+            ("prefill NIXL side channel", prefill_spec.side_channel_port),
+            ("decode NIXL side channel", decode_spec.side_channel_port),
+        ]
+    )
+    log_dir = opts.log_dir
+    engines: list[EngineProcess] = []
+    try:
+        for spec in (prefill_spec, decode_spec):
+            engines.append(start_engine(spec, log_dir))
+        _write_run_file(log_dir, opts, engines)
+        print(f"engine logs: {log_dir}/", file=sys.stderr)
+        wait_ready(engines, opts.start_timeout_s, Progress())
+        config = ProxyConfig(
+            prefill_urls=(prefill_spec.url,),
+            decode_urls=(decode_spec.url,),
+            served_model_names=(opts.served_model_name,),
+            policy=opts.policy,
+            api_key=opts.api_key,
+        )
+        url = f"http://{opts.host}:{opts.port}"
+        auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.api_key else ""
+        print(
+            f"\npdserve is serving {opts.served_model_name} at {url}/v1\n"
+            f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{{\"model\": \"{opts.served_model_name}\", \"messages\": "
+            f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(config), host=opts.host, port=opts.port, log_level="warning",
+                access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=10,
+            )
+        )
+        server.run()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        print("stopping engines ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        stop_engines(engines)
+        print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+
+
+def _write_run_file(log_dir: Path, opts: DevOptions, engines: list[EngineProcess]) -> None:
+    """``run.json``: what this dev mode started (pids, urls), for operators and tests."""
+    info = {
+        "proxy": f"http://{opts.host}:{opts.port}",
+        "parent_pid": os.getpid(),
+        "engines": [
+            {"role": e.spec.role, "url": e.spec.url, "pid": e.popen.pid,
+             "side_channel_port": e.spec.side_channel_port, "log": str(e.log_path)}
+            for e in engines
+        ],
+    }
+    (log_dir / "run.json").write_text(json.dumps(info, indent=2))

@@ -1,0 +1,110 @@
+"""The command line and environment of one vLLM engine process, for either role.
+
+Only ``launch`` decides ports, cores and devices; the role packages add their own arguments and
+``transport`` the connector config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+import decode.role
+import prefill.role
+from transport.connector import ConnectorOptions, Role, kv_transfer_config_json
+
+Device = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    role: Role
+    model: str
+    served_model_name: str
+    port: int
+    side_channel_port: int
+    host: str = "127.0.0.1"
+    device: Device = "cpu"
+    #: CPU: the cores this engine's OpenMP threads bind to ("0", "1", "0-3"); None = vLLM's choice.
+    cpu_cores: str | None = None
+    #: CPU: KV cache size in GiB. GPU: share of device memory (two engines share one GPU in dev).
+    kv_cache_gib: float = 2.0
+    gpu_memory_utilization: float = 0.4
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    connector: ConnectorOptions = field(default_factory=ConnectorOptions)
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def detect_device() -> Device:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # torch missing or broken: the CPU build is what we can run
+        return "cpu"
+
+
+def default_dtype(device: Device) -> str:
+    """float32 on CPUs without native bf16 (AVX2-only machines emulate it slowly); bf16 on GPU."""
+    if device == "cuda":
+        return "bfloat16"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "float32"
+    # AVX512-BF16 alone was not measured faster here; AMX is where CPU bf16 clearly wins.
+    return "bfloat16" if "amx_bf16" in flags else "float32"
+
+
+def engine_argv(spec: EngineSpec) -> list[str]:
+    role_args = (prefill.role if spec.role == "prefill" else decode.role).vllm_args(
+        spec.max_model_len
+    )
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model,
+        "--served-model-name", spec.served_model_name,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--dtype", spec.dtype,
+        "--max-model-len", str(spec.max_model_len),
+        "--enforce-eager",
+        "--kv-transfer-config", kv_transfer_config_json(spec.role, spec.connector),
+        "--uvicorn-log-level", "warning",
+        "--disable-uvicorn-access-log",
+        *role_args,
+    ]
+    if spec.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    return argv + list(spec.extra_args)
+
+
+def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+            # Without these UCX may wait seconds on an unusable interface (STACK.md).
+            "UCX_TLS": env.get("UCX_TLS", "tcp,self"),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    if os.path.isdir(spec.model):  # a local model never needs the hub
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.host.startswith("127.") or spec.host == "localhost":
+        env.setdefault("UCX_NET_DEVICES", "lo")
+    if spec.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
+        env["KMP_BLOCKTIME"] = "0"
+        if spec.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+    return env

@@ -1,0 +1,142 @@
+"""Start, watch and stop engine processes; no orphans whatever way the parent ends.
+
+Each engine runs in its own process group (so its worker children die with it); ``stop`` sends
+SIGTERM to the group, waits, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.engines import EngineSpec, engine_argv, engine_env
+
+
+class PortBusy(RuntimeError):
+    pass
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") -> None:
+    """Raise PortBusy naming every (purpose, port) that something else already holds."""
+    busy = []
+    for purpose, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(f"{port} ({purpose})")
+    if busy:
+        raise PortBusy(
+            "port(s) already in use: " + ", ".join(busy)
+            + ". Is another pdserve running? Stop it or pick other ports (--port, --engine-base-port)."
+        )
+
+
+@dataclass
+class EngineProcess:
+    spec: EngineSpec
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec.role}:{self.spec.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def last_log_line(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1][-160:] if lines else ""
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.spec.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+
+def start_engine(spec: EngineSpec, log_dir: Path) -> EngineProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{spec.role}-{spec.port}.log"
+    log_file = open(log_path, "wb")
+    popen = subprocess.Popen(
+        engine_argv(spec),
+        env=engine_env(spec),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log_file.close()
+    return EngineProcess(spec, popen, log_path)
+
+
+def wait_ready(
+    engines: Sequence[EngineProcess],
+    timeout_s: float,
+    on_progress: Callable[[float, list[EngineProcess]], None] | None = None,
+) -> None:
+    """Block until every engine answers /health; raise EngineFailed if one exits or time runs out."""
+    t0 = time.monotonic()
+    pending = list(engines)
+    while pending:
+        for e in list(pending):
+            if not e.alive():
+                raise EngineFailed(
+                    f"{e.name} exited with code {e.popen.returncode}; last log line: "
+                    f"{e.last_log_line()!r} (full log: {e.log_path})"
+                )
+            if e.healthy():
+                pending.remove(e)
+        elapsed = time.monotonic() - t0
+        if on_progress:
+            on_progress(elapsed, pending)
+        if not pending:
+            return
+        if elapsed > timeout_s:
+            raise EngineFailed(
+                f"{', '.join(e.name for e in pending)} not ready after {timeout_s:.0f}s "
+                f"(logs: {', '.join(str(e.log_path) for e in pending)})"
+            )
+        time.sleep(0.5)
+
+
+def stop_engines(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> None:
+    """SIGTERM every engine's process group, wait up to ``grace_s``, then SIGKILL the rest."""
+    for e in engines:
+        _signal_group(e.popen, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for e in engines:
+        try:
+            e.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for e in engines:
+        _signal_group(e.popen, signal.SIGKILL)
+        try:
+            e.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

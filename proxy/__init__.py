@@ -1,0 +1,1 @@
+"""The HTTP API (OpenAI-compatible) and per-request prefill/decode orchestration."""

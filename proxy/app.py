@@ -1,0 +1,196 @@
+"""The FastAPI app: thin routes that parse, hand to the orchestrator, and render its result.
+
+Rendering lives in one place (:func:`_render`): a Reply becomes JSON, a Stream becomes SSE
+(``text/event-stream``, bytes exactly as the decode engine framed them), a ProxyError becomes an
+OpenAI-style error body with its status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.config import ProxyConfig
+from proxy.engine_client import EngineClient, new_session
+from proxy.errors import (
+    NoEngineAvailable,
+    ProxyError,
+    Unauthorized,
+    UpstreamError,
+    error_json,
+)
+from proxy.metrics import ProxyMetrics
+from proxy.orchestrator import Orchestrator, Reply, Stream
+from proxy.policy import parse_policy
+from proxy.pool import EnginePool
+from proxy.requests import ApiRequest, Endpoint, check_content_type, check_request, parse_body
+from proxy.warmup import warm_up_pairs
+
+log = logging.getLogger(__name__)
+
+
+class ProxyState:
+    """What the routes share: config, pool, orchestrator, metrics and background tasks."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.warmed = not config.warmup
+        self.session = None
+        self.pool: EnginePool | None = None
+        self.orchestrator: Orchestrator | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.session = new_session()
+        mk = lambda role, i, url: EngineClient(f"{role}-{i}", url, self.session)  # noqa: E731
+        self.pool = EnginePool(
+            [mk("prefill", i, u) for i, u in enumerate(self.config.prefill_urls)],
+            [mk("decode", i, u) for i, u in enumerate(self.config.decode_urls)],
+            self.metrics,
+        )
+        self.orchestrator = Orchestrator(
+            self.pool, parse_policy(self.config.policy), self.config.deadlines(), self.metrics
+        )
+        await self.pool.probe_all()
+        self._tasks.append(asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
+        if not self.warmed:
+            self._tasks.append(asyncio.create_task(self._warm_up()))
+
+    async def _warm_up(self) -> None:
+        await warm_up_pairs(self.pool, self.config.served_model_names[0])
+        self.warmed = True  # tried once; failures are logged, later requests still work
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+
+    @property
+    def ready(self) -> bool:
+        return self.pool is not None and self.pool.ready and self.warmed
+
+
+def _error_response(err: ProxyError, request_id: str | None = None) -> Response:
+    headers = err.headers()
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(error_json(err), status_code=err.status, media_type="application/json",
+                    headers=headers)
+
+
+def _render(result: Reply | Stream) -> Response:
+    if isinstance(result, Reply):
+        return Response(result.body, status_code=result.status, media_type="application/json",
+                        headers=result.headers)
+    return StreamingResponse(result.chunks, media_type="text/event-stream", headers=result.headers)
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    state = ProxyState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.pd = state
+    served = set(config.served_model_names)
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {config.api_key}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise Unauthorized("invalid or missing API key")
+
+    async def completion(request: Request, endpoint: Endpoint) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            check_auth(request)
+            check_content_type(request.headers.get("content-type"))
+            body = parse_body(await request.body(), config.body_limit_bytes)
+            stream = check_request(endpoint, body, served)
+        except ProxyError as err:
+            state.metrics.rejected_total.labels(err.type).inc()
+            return _error_response(err, request_id)
+        assert state.orchestrator is not None
+        api_request = ApiRequest(endpoint, body, stream, request_id)
+        state.metrics.inflight_requests.inc()
+        try:
+            result = await state.orchestrator.serve(api_request)
+        except ProxyError as err:
+            state.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
+            return _error_response(err, request_id)
+        except Exception:  # never a stack trace to the client
+            log.exception("request %s failed", request_id)
+            err = UpstreamError("internal error while serving the request")
+            return _error_response(err, request_id)
+        finally:
+            state.metrics.inflight_requests.dec()
+        state.metrics.requests_total.labels(endpoint, result.route, "200").inc()
+        return _render(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion(request, "completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            check_auth(request)
+        except ProxyError as err:
+            return _error_response(err)
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
+            for name in config.served_model_names
+        ]
+        return Response(_dumps({"object": "list", "data": data}), media_type="application/json")
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if not config.public_health:
+            try:
+                check_auth(request)
+            except ProxyError as err:
+                return _error_response(err)
+        if state.ready:
+            return Response(_dumps({"status": "ok"}), media_type="application/json")
+        return _error_response(NoEngineAvailable("not ready: engines starting or down"))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if not config.public_health:
+            try:
+                check_auth(request)
+            except ProxyError as err:
+                return _error_response(err)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _dumps(obj: object) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()

@@ -1,0 +1,49 @@
+"""The proxy's configuration: validated once, at the edge, into an immutable object."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from proxy.deadlines import Deadlines
+from proxy.policy import parse_policy
+
+
+class ProxyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...] = Field(min_length=1)
+    served_model_names: tuple[str, ...] = Field(min_length=1)
+    policy: str = "disaggregate"
+    api_key: str | None = None
+    #: When False, /health and /metrics also require the API key.
+    public_health: bool = True
+    body_limit_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    health_interval_s: float = Field(default=1.0, gt=0)
+    #: Run one P/D request per prefill x decode pair before reporting ready (pays the NIXL
+    #: handshake at start-up instead of in a user's first request).
+    warmup: bool = True
+    prefill_deadline_s: float = Field(default=120.0, gt=0)
+    first_byte_deadline_s: float = Field(default=120.0, gt=0)
+    idle_deadline_s: float = Field(default=60.0, gt=0)
+    total_deadline_s: float = Field(default=600.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, v: str) -> str:
+        parse_policy(v)
+        return v
+
+    @model_validator(mode="after")
+    def _check_deadlines(self) -> "ProxyConfig":
+        if self.total_deadline_s < self.first_byte_deadline_s:
+            raise ValueError("total_deadline_s must be >= first_byte_deadline_s")
+        return self
+
+    def deadlines(self) -> Deadlines:
+        return Deadlines(
+            prefill_s=self.prefill_deadline_s,
+            first_byte_s=self.first_byte_deadline_s,
+            idle_s=self.idle_deadline_s,
+            total_s=self.total_deadline_s,
+        )

@@ -1,0 +1,53 @@
+"""The proxy process's one metrics module (Prometheus). Names: ``pd_<noun>_<unit|total>``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+class ProxyMetrics:
+    """All series one proxy exports; a fresh registry per instance keeps tests independent."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests_total = Counter(
+            "pd_requests_total", "Finished requests by endpoint, route and HTTP status.",
+            ["endpoint", "route", "status"], registry=r,
+        )
+        self.decisions_total = Counter(
+            "pd_decisions_total", "Routing decisions by route and reason.",
+            ["route", "reason"], registry=r,
+        )
+        self.fallbacks_total = Counter(
+            "pd_fallbacks_total", "Disaggregated requests served locally after a failure, by reason.",
+            ["reason"], registry=r,
+        )
+        self.rejected_total = Counter(
+            "pd_rejected_total", "Requests refused before reaching an engine, by error type.",
+            ["type"], registry=r,
+        )
+        self.stream_errors_total = Counter(
+            "pd_stream_errors_total", "Streams ended with an in-band error, by reason.",
+            ["reason"], registry=r,
+        )
+        self.client_disconnects_total = Counter(
+            "pd_client_disconnects_total", "Requests whose client went away before the end.",
+            ["stage"], registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "pd_stage_seconds", "Time per stage: prefill, handover (prefill done -> decode first"
+            " byte), ttft (request in -> first byte out), total.",
+            ["stage", "route"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.inflight_requests = Gauge(
+            "pd_inflight_requests", "Requests being served now.", registry=r,
+        )
+        self.engine_up = Gauge(
+            "pd_engine_up", "1 when the engine answers its health check.",
+            ["role", "engine"], registry=r,
+        )

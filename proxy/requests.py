@@ -1,0 +1,109 @@
+"""Parse and check a client's request before any engine sees it.
+
+Everything rejected here gets a 4xx with an OpenAI-style body and costs the engines nothing. The
+checks are the ones the proxy must own (wire safety, limits it enforces); the engine still
+validates the rest (e.g. a prompt longer than the context) and its 4xx is passed on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from proxy.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedMediaType
+from transport import kv_params
+
+Endpoint = Literal["chat", "completions"]
+PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    endpoint: Endpoint
+    body: dict[str, Any]
+    stream: bool
+    request_id: str
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.endpoint]
+
+
+def check_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise UnsupportedMediaType(
+            f"Content-Type must be application/json, got {media or 'none'!r}"
+        )
+
+
+def parse_body(raw: bytes, limit_bytes: int) -> dict[str, Any]:
+    if len(raw) > limit_bytes:
+        raise PayloadTooLarge(f"request body is over the {limit_bytes} byte limit")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[str]) -> bool:
+    """Validate ``body`` for ``endpoint``; return whether it asks for a stream."""
+    if kv_params.has_client_params(body):
+        raise InvalidRequest(
+            f"{kv_params.BODY_KEY} is set by the server and may not be sent by clients",
+            param=kv_params.BODY_KEY,
+        )
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise InvalidRequest("model must be a string", param="model")
+        if model not in served_models:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise InvalidRequest(
+                    f"messages[{i}] must be an object with a string role", param="messages"
+                )
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+        elif not (isinstance(prompt, list) and prompt):
+            raise InvalidRequest("prompt must be a non-empty string or list", param="prompt")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream must be a boolean", param="stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            raise InvalidRequest(f"{key} must be a positive integer", param=key)
+    t = body.get("temperature")
+    if t is not None and (not _is_number(t) or not 0 <= t <= 2):
+        raise InvalidRequest("temperature must be a number in [0, 2]", param="temperature")
+    p = body.get("top_p")
+    if p is not None and (not _is_number(p) or not 0 < p <= 1):
+        raise InvalidRequest("top_p must be a number in (0, 1]", param="top_p")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise InvalidRequest("only n=1 is supported", param="n")
+    if body.get("stream_options") is not None and not stream:
+        raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+    return stream

@@ -1,0 +1,46 @@
+"""Pay each prefill->decode pair's NIXL handshake at start-up, not in a user's first request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy.pool import EnginePool
+from transport import kv_params
+
+log = logging.getLogger(__name__)
+
+# Long enough to fill several KV blocks, so the warm-up really moves KV over NIXL.
+_WARMUP_PROMPT = " ".join(["warm up the prefill to decode path"] * 24)
+
+
+async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.0) -> bool:
+    """Run one P/D completion per healthy prefill x decode pair; True when all succeeded."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pool.ready:
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.2)
+    ok = True
+    for p in pool.prefill:
+        for d in pool.decode:
+            ok &= await _warm_pair(p.client, d.client, model)
+    log.info("warm-up %s", "done" if ok else "failed")
+    return ok
+
+
+async def _warm_pair(prefill, decode, model: str) -> bool:
+    body = {"model": model, "prompt": _WARMUP_PROMPT, "max_tokens": 2, "temperature": 0}
+    pbody = dict(body, max_tokens=1, return_token_ids=True)
+    pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
+    headers = {"x-request-id": "pdserve-warmup"}
+    try:
+        reply = await prefill.post_json("/v1/completions", pbody, headers, 120.0)
+        handoff = kv_params.parse_prefill_reply(reply.json())
+        dbody = dict(body)
+        dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff)
+        reply = await decode.post_json("/v1/completions", dbody, headers, 120.0)
+        return reply.status == 200
+    except Exception as exc:  # warm-up failure is logged, the proxy still serves
+        log.warning("warm-up %s -> %s failed: %s", prefill.name, decode.name, exc)
+        return False

@@ -1,0 +1,1 @@
+"""Everything about KV crossing a boundary: the wire format, connector configs, the cost model."""

@@ -1,0 +1,120 @@
+"""The one owner of vLLM's ``kv_transfer_params`` wire format (NixlConnector, pull mode).
+
+Every key of ``kv_transfer_params`` is spelled in this module and nowhere else. The proxy asks it
+for the params of a prefill request, turns the prefill's reply into a typed, frozen
+:class:`PrefillHandoff`, and asks it for the decode request's params.
+
+Wire versions (bump on any change to what we send or require):
+  1: vLLM 0.32 / NIXL connector version 14 — pull mode; decode gets the prefill's params verbatim
+     plus ``prompt_token_ids`` so it skips templating and tokenization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+WIRE_VERSION = 1
+
+#: The request-body field that carries the params, on requests and on replies.
+BODY_KEY = "kv_transfer_params"
+#: The top-level reply field with the prompt's token ids (present when ``return_token_ids``).
+PROMPT_TOKEN_IDS_KEY = "prompt_token_ids"
+
+_REQUIRED_HANDOFF_KEYS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+)
+
+
+class HandoffError(ValueError):
+    """The prefill's reply cannot be handed to a decode engine (missing or malformed params)."""
+
+
+def prefill_request_params() -> dict[str, Any]:
+    """Params that make an engine prefill a prompt and hold its KV for a remote decode."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+
+
+@dataclass(frozen=True)
+class PrefillHandoff:
+    """What a finished prefill hands to a decode engine: where its KV blocks are, and the prompt ids.
+
+    ``params`` is the prefill's ``kv_transfer_params`` exactly as received (engines may add keys we
+    don't interpret; they must still reach decode).
+    """
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    num_blocks: int
+    num_tokens: int
+    cached_tokens: int
+    prompt_token_ids: tuple[int, ...]
+    params: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def has_blocks(self) -> bool:
+        return self.num_blocks > 0
+
+
+def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
+    """Turn a prefill engine's JSON reply (chat or completions) into a :class:`PrefillHandoff`.
+
+    Raises :class:`HandoffError` when the reply lacks what decode needs to pull the KV: without
+    it, decode would silently recompute (or, worse, read someone else's blocks).
+    """
+    params = reply.get(BODY_KEY)
+    if not isinstance(params, Mapping):
+        raise HandoffError(f"prefill reply has no {BODY_KEY}")
+    missing = [k for k in _REQUIRED_HANDOFF_KEYS if params.get(k) is None]
+    if missing:
+        raise HandoffError(f"prefill {BODY_KEY} lack {', '.join(missing)}")
+    ids = reply.get(PROMPT_TOKEN_IDS_KEY)
+    if ids is None:
+        # Completions put the ids on the choice.
+        choices = reply.get("choices") or [{}]
+        ids = choices[0].get(PROMPT_TOKEN_IDS_KEY)
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise HandoffError(f"prefill reply has no usable {PROMPT_TOKEN_IDS_KEY}")
+    block_groups = params["remote_block_ids"]
+    num_blocks = sum(len(g) for g in block_groups) if isinstance(block_groups, list) else 0
+    try:
+        port = int(params["remote_port"])
+    except (TypeError, ValueError) as exc:
+        raise HandoffError("prefill remote_port is not an integer") from exc
+    return PrefillHandoff(
+        engine_id=str(params["remote_engine_id"]),
+        request_id=str(params["remote_request_id"]),
+        host=str(params["remote_host"]),
+        port=port,
+        num_blocks=num_blocks,
+        num_tokens=int(params.get("remote_num_tokens") or 0),
+        cached_tokens=int(params.get("remote_prefill_cached_tokens") or 0),
+        prompt_token_ids=tuple(ids),
+        params=dict(params),
+    )
+
+
+def decode_request_params(handoff: PrefillHandoff) -> dict[str, Any]:
+    """Params for the decode request: pull ``handoff``'s blocks and reuse its prompt token ids."""
+    params = dict(handoff.params)
+    params[PROMPT_TOKEN_IDS_KEY] = list(handoff.prompt_token_ids)
+    return params
+
+
+def has_client_params(body: Mapping[str, Any]) -> bool:
+    """True when a client tried to send its own params (never allowed to reach an engine: SSRF)."""
+    return BODY_KEY in body
