@@ -141,6 +141,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         except Exception:  # never a stack trace to the client
             log.exception("request %s failed", request_id)
             err = UpstreamError("internal error while serving the request")
+            state.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
             return _error_response(err, request_id)
         finally:
             state.metrics.inflight_requests.dec()

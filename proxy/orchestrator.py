@@ -108,15 +108,17 @@ class Orchestrator:
             body[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff)
         headers = {"x-request-id": req.request_id}
         out_headers = {"x-request-id": req.request_id, "x-pd-route": route}
-        with self.pool.using(decode):
-            stream = await self._open_decode(decode, req, body, headers)
         if not req.stream:
-            try:
-                data = await self._read_whole(stream)
-            finally:
-                stream.close()
+            with self.pool.using(decode):
+                stream = await self._open_decode(decode, req, body, headers)
+                try:
+                    data = await self._read_whole(stream)
+                finally:
+                    stream.close()
             self._observe_first_byte(route, t_start, t_handoff, handoff is not None)
             return Reply(route, 200, data, out_headers)
+        with self.pool.using(decode):
+            stream = await self._open_decode(decode, req, body, headers)
         return Stream(
             route, self._relay(stream, decode, route, t_start, t_handoff, handoff), out_headers
         )
@@ -219,6 +221,10 @@ class Orchestrator:
                 else StageTimeout("the decode engine stalled mid-stream")
             )
             yield error_sse(err)
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away: closing the decode stream (below) makes vLLM abort it.
+            self.metrics.client_disconnects_total.labels("streaming").inc()
+            raise
         finally:
             decode.inflight -= 1
             stream.close()

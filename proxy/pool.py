@@ -58,7 +58,9 @@ class EnginePool:
 
     @property
     def ready(self) -> bool:
-        return any(e.healthy for e in self.decode) and any(e.healthy for e in self.prefill)
+        """A decode engine is up, and so is a prefill engine if any are configured."""
+        prefill_ok = not self.prefill or any(e.healthy for e in self.prefill)
+        return any(e.healthy for e in self.decode) and prefill_ok
 
     @contextmanager
     def using(self, engine: Engine) -> Iterator[Engine]:

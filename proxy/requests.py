@@ -102,7 +102,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
     if p is not None and (not _is_number(p) or not 0 < p <= 1):
         raise InvalidRequest("top_p must be a number in (0, 1]", param="top_p")
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and not (_is_int(n) and n == 1):
         raise InvalidRequest("only n=1 is supported", param="n")
     if body.get("stream_options") is not None and not stream:
         raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")

@@ -76,6 +76,8 @@ def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
     Raises :class:`HandoffError` when the reply lacks what decode needs to pull the KV: without
     it, decode would silently recompute (or, worse, read someone else's blocks).
     """
+    if not isinstance(reply, Mapping):
+        raise HandoffError("prefill reply is not a JSON object")
     params = reply.get(BODY_KEY)
     if not isinstance(params, Mapping):
         raise HandoffError(f"prefill reply has no {BODY_KEY}")
@@ -85,24 +87,29 @@ def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
     ids = reply.get(PROMPT_TOKEN_IDS_KEY)
     if ids is None:
         # Completions put the ids on the choice.
-        choices = reply.get("choices") or [{}]
-        ids = choices[0].get(PROMPT_TOKEN_IDS_KEY)
+        choices = reply.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        ids = first.get(PROMPT_TOKEN_IDS_KEY) if isinstance(first, Mapping) else None
     if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
         raise HandoffError(f"prefill reply has no usable {PROMPT_TOKEN_IDS_KEY}")
     block_groups = params["remote_block_ids"]
-    num_blocks = sum(len(g) for g in block_groups) if isinstance(block_groups, list) else 0
+    if not isinstance(block_groups, list) or not all(isinstance(g, list) for g in block_groups):
+        raise HandoffError("prefill remote_block_ids is not a list of block id lists")
+    num_blocks = sum(len(g) for g in block_groups)
     try:
         port = int(params["remote_port"])
+        num_tokens = int(params.get("remote_num_tokens") or 0)
+        cached_tokens = int(params.get("remote_prefill_cached_tokens") or 0)
     except (TypeError, ValueError) as exc:
-        raise HandoffError("prefill remote_port is not an integer") from exc
+        raise HandoffError("prefill remote_port or token counts are not integers") from exc
     return PrefillHandoff(
         engine_id=str(params["remote_engine_id"]),
         request_id=str(params["remote_request_id"]),
         host=str(params["remote_host"]),
         port=port,
         num_blocks=num_blocks,
-        num_tokens=int(params.get("remote_num_tokens") or 0),
-        cached_tokens=int(params.get("remote_prefill_cached_tokens") or 0),
+        num_tokens=num_tokens,
+        cached_tokens=cached_tokens,
         prompt_token_ids=tuple(ids),
         params=dict(params),
     )

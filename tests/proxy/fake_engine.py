@@ -1,0 +1,284 @@
+"""An in-process fake of vLLM's OpenAI server, for the proxy's fault-injection tests.
+
+It speaks the same HTTP protocol the proxy's ``EngineClient`` talks to a real engine: ``GET
+/health``, ``POST /v1/chat/completions`` and ``POST /v1/completions``, on a real loopback socket
+(aiohttp's ``TestServer`` on an ephemeral port). Like vLLM, one server plays either role per
+request: a body whose ``kv_transfer_params`` has ``do_remote_decode`` is a prefill (reply with a
+NIXL handoff and the prompt's token ids); anything else is a decode (a JSON reply, or an SSE stream
+framed exactly as vLLM frames it: ``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
+
+Faults are knobs set per test before the request; hangs are gated by ``asyncio.Event`` (set the
+event to release the handler; :meth:`FakeEngine.stop` releases every gate). A prompt containing
+``TOO_LONG`` gets vLLM's 400 in either role. This fake adds faults the real engines can't produce
+on demand; it never replaces the end-to-end tests on real engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+#: A prompt containing this is over the (fake) context length: vLLM answers 400.
+TOO_LONG = "TOO_LONG"
+DONE_FRAME = b"data: [DONE]\n\n"
+#: Content tokens each decode stream sends (one SSE frame each) before the finish frame.
+STREAM_TOKENS = ("Hello", ",", " world", "!")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One completion request as the engine received it."""
+
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: dict[str, Any]
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get("x-request-id")
+
+
+@dataclass
+class FakeEngine:
+    name: str = "engine"
+
+    # --- fault knobs (set before the request) ---
+    #: Status of a prefill reply; anything but 200 comes with vLLM's error body.
+    prefill_status: int = 200
+    #: When set, a prefill replies 200 with these raw bytes instead of a handoff.
+    prefill_raw_reply: bytes | None = None
+    #: When set, a prefill waits for this event before answering (a hung prefill).
+    prefill_gate: asyncio.Event | None = None
+    #: When set, a decode waits for this event after ``decode_gate_after_frames`` frames
+    #: (0: before sending anything, not even headers).
+    decode_gate: asyncio.Event | None = None
+    decode_gate_after_frames: int = 0
+    #: When set, a streaming decode writes this many frames and then drops the connection.
+    decode_drop_after_frames: int | None = None
+
+    # --- what happened ---
+    prefill_requests: list[Recorded] = field(default_factory=list)
+    decode_requests: list[Recorded] = field(default_factory=list)
+    #: The ``kv_transfer_params`` of each handoff this engine replied with.
+    handoffs: list[dict[str, Any]] = field(default_factory=list)
+    #: The prompt token ids of each handoff.
+    handoff_prompt_ids: list[list[int]] = field(default_factory=list)
+    #: Every byte each decode stream wrote, one entry per stream.
+    sent_streams: list[bytes] = field(default_factory=list)
+    health_checks: int = 0
+
+    def __post_init__(self) -> None:
+        self._server: TestServer | None = None
+        self._url: str | None = None
+        self._changed = asyncio.Condition()
+        self._arrived = 0
+
+    # --- lifecycle ---
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/completions", self._completion)
+        self._server = TestServer(app, host="127.0.0.1")
+        await self._server.start_server()
+        self._url = f"http://127.0.0.1:{self._server.port}"
+
+    async def stop(self) -> None:
+        """Release every gate, then close the server (a stopped engine refuses connections)."""
+        for gate in (self.prefill_gate, self.decode_gate):
+            if gate is not None:
+                gate.set()
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    @property
+    def url(self) -> str:
+        """The base URL; still valid after :meth:`stop` (it then refuses connections)."""
+        assert self._url is not None, "start() first"
+        return self._url
+
+    @property
+    def completion_requests(self) -> list[Recorded]:
+        return [*self.prefill_requests, *self.decode_requests]
+
+    async def wait_for_health_checks(self, n: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.health_checks >= n)
+
+    async def wait_for_requests(self, n: int) -> None:
+        """Wait until ``n`` completion requests have arrived (hung ones included)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._arrived >= n)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # --- handlers ---
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        self.health_checks += 1
+        await self._notify()
+        return web.Response()
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        recorded = Recorded(
+            request.path, {k.lower(): v for k, v in request.headers.items()}, body
+        )
+        params = body.get("kv_transfer_params")
+        is_prefill = isinstance(params, dict) and bool(params.get("do_remote_decode"))
+        (self.prefill_requests if is_prefill else self.decode_requests).append(recorded)
+        self._arrived += 1
+        await self._notify()
+        if TOO_LONG in _prompt_text(body):
+            return _error(400, "BadRequestError", "This model's maximum context length is 64 "
+                          "tokens. However, your request has 9000 input tokens. Please reduce "
+                          "the length of the input messages.")
+        if is_prefill:
+            return await self._prefill(recorded)
+        return await self._decode(request, recorded)
+
+    async def _prefill(self, rec: Recorded) -> web.Response:
+        if self.prefill_gate is not None:
+            await self.prefill_gate.wait()
+        if self.prefill_status != 200:
+            return _error(self.prefill_status, "InternalServerError", "EngineCore died")
+        if self.prefill_raw_reply is not None:
+            return web.Response(body=self.prefill_raw_reply, content_type="application/json")
+        ids = _prompt_ids(rec.body)
+        n = len(self.handoffs)
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[10 + n, 11 + n, 12 + n]],
+            "remote_engine_id": f"fake-{self.name}-engine",
+            "remote_request_id": f"{_kind(rec.path)}-{rec.request_id}-0-{n:04x}",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(ids),
+            "remote_blocks_expiry_time": 1234.5,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
+            "x_fake_engine_extra": {"kept": True},  # an unknown key: must reach decode verbatim
+        }
+        self.handoffs.append(params)
+        self.handoff_prompt_ids.append(ids)
+        reply = _reply(rec, "X") | {"kv_transfer_params": params}
+        if rec.path.endswith("/chat/completions"):
+            reply["prompt_token_ids"] = ids
+        else:
+            reply["choices"][0]["prompt_token_ids"] = ids
+        return web.json_response(reply)
+
+    async def _decode(self, request: web.Request, rec: Recorded) -> web.StreamResponse:
+        if self.decode_gate is not None and self.decode_gate_after_frames == 0:
+            await self.decode_gate.wait()
+        if not rec.body.get("stream"):
+            reply = _reply(rec, "".join(STREAM_TOKENS)) | {
+                "kv_transfer_params": None,
+                "x_fake_received_kv_transfer_params": "kv_transfer_params" in rec.body,
+            }
+            return web.json_response(reply)
+        resp = web.StreamResponse(
+            status=200, headers={"content-type": "text/event-stream; charset=utf-8"}
+        )
+        await resp.prepare(request)
+        sent = bytearray()
+        self.sent_streams.append(b"")
+        for i, frame in enumerate(_frames(rec)):
+            if i == self.decode_drop_after_frames:
+                assert request.transport is not None
+                request.transport.close()  # a crashed engine: no terminating chunk
+                return resp
+            if (
+                self.decode_gate is not None
+                and self.decode_gate_after_frames
+                and i == self.decode_gate_after_frames
+            ):
+                await self.decode_gate.wait()
+            await resp.write(frame)
+            sent += frame
+            self.sent_streams[-1] = bytes(sent)
+        await resp.write_eof()
+        return resp
+
+
+def _kind(path: str) -> str:
+    return "chatcmpl" if path.endswith("/chat/completions") else "cmpl"
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return " ".join(str(m.get("content") or "") for m in body["messages"])
+    return str(body.get("prompt"))
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    """Deterministic fake token ids: one per four prompt characters, at least one."""
+    return list(range(1000, 1000 + max(1, len(_prompt_text(body)) // 4)))
+
+
+def _reply(rec: Recorded, text: str) -> dict[str, Any]:
+    """A whole (non-stream) vLLM reply for ``rec``'s endpoint."""
+    kind = _kind(rec.path)
+    if kind == "chatcmpl":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+                  "stop_reason": None}
+        obj = "text_completion"
+    return {
+        "id": f"{kind}-{rec.request_id}",
+        "object": obj,
+        "created": 1767225600,
+        "model": rec.body.get("model", "m"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1},
+    }
+
+
+def _frames(rec: Recorded) -> list[bytes]:
+    """The SSE frames of one stream, as vLLM writes them (compact JSON, blank-line separated)."""
+    kind = _kind(rec.path)
+    base = {"id": f"{kind}-{rec.request_id}", "created": 1767225600,
+            "model": rec.body.get("model", "m")}
+    chunks: list[dict[str, Any]] = []
+    if kind == "chatcmpl":
+        base["object"] = "chat.completion.chunk"
+        deltas = [{"role": "assistant", "content": ""}] + [{"content": t} for t in STREAM_TOKENS]
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunks.append(base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                               "finish_reason": "length" if last else None}]})
+    else:
+        base["object"] = "text_completion"
+        for i, token in enumerate(STREAM_TOKENS):
+            last = i == len(STREAM_TOKENS) - 1
+            chunks.append(base | {"choices": [{"index": 0, "text": token, "logprobs": None,
+                                               "finish_reason": "length" if last else None}]})
+    frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks]
+    return [*frames, DONE_FRAME]
+
+
+def _error(status: int, type_: str, message: str) -> web.Response:
+    """vLLM's error body."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return web.json_response(body, status=status)

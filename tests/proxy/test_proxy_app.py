@@ -1,0 +1,489 @@
+"""The proxy app end to end against in-process fake engines: routing, relay, fallbacks, errors.
+
+The app runs in-process (httpx's ASGI transport, lifespan entered by hand); the fake engines are
+real aiohttp servers on loopback ports, so the proxy's own HTTP client and pool are exercised.
+Hangs are gated by events; the only waits are the proxy's own (short) deadlines under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from transport.kv_params import prefill_request_params
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+#: A deadline the fakes are made to miss (they hang on an event); everything else gets plenty.
+SHORT_S = 0.2
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hello to the whole wide world, please."},
+        ],
+        "max_tokens": 16,
+        "temperature": 0.0,
+    }
+    return body | extra
+
+
+def completions_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": "The capital of France is", "max_tokens": 8} | extra
+
+
+BODIES = {CHAT_PATH: chat_body, COMPLETIONS_PATH: completions_body}
+
+
+# --- harness ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def prefill() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine("prefill")
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine("decode")
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def proxy(
+    prefill: FakeEngine | None, decode: FakeEngine, **overrides: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the proxy app (lifespan included) in front of the fakes; yield a client for it."""
+    settings: dict[str, Any] = {
+        "prefill_urls": (prefill.url,) if prefill is not None else (),
+        "decode_urls": (decode.url,),
+        "served_model_names": ("m",),
+        "warmup": False,
+        "health_interval_s": 3600.0,  # probes at start only; tests mark engines down themselves
+        "prefill_deadline_s": 10.0,
+        "first_byte_deadline_s": 10.0,
+        "idle_deadline_s": 10.0,
+        "total_deadline_s": 30.0,
+    }
+    app = create_app(ProxyConfig(**(settings | overrides)))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            yield client
+
+
+async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
+    """The value of one sample from the proxy's /metrics text (0 when not exported yet)."""
+    resp = await client.get("/metrics")
+    assert resp.status_code == 200
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+def assert_error(resp: httpx.Response, status: int, type_: str, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    assert "Traceback" not in resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == type_
+    assert error["param"] == param
+    return error
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The payloads of an SSE body's ``data:`` events, in order."""
+    assert raw.endswith(b"\n\n")
+    events = raw[:-2].split(b"\n\n")
+    assert all(e.startswith(b"data: ") for e in events), raw
+    return [e[len(b"data: "):] for e in events]
+
+
+def split_in_band_error(body: bytes) -> tuple[bytes, dict[str, Any]]:
+    """Split a stream that ended in an in-band error into (relayed bytes, the error object).
+
+    Checks the ending is exactly one ``data: {"error": ...}`` event and then ``data: [DONE]``.
+    """
+    assert body.endswith(DONE_FRAME), body
+    error_at = body.rindex(b"data: ", 0, len(body) - len(DONE_FRAME))
+    relayed, error_frame = body[:error_at], body[error_at : -len(DONE_FRAME)]
+    (payload,) = sse_events(error_frame)
+    error = json.loads(payload)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert b"Traceback" not in body
+    return relayed, error
+
+
+def without(body: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in keys}
+
+
+# --- the disaggregated path ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+async def test_pd_happy_path(prefill: FakeEngine, decode: FakeEngine, path: str) -> None:
+    body = BODIES[path]()
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(path, json=body, headers={"x-request-id": "req-happy-1"})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-pd-route"] == "disaggregated"
+        assert resp.headers["x-request-id"] == "req-happy-1"
+        assert resp.json()["x_fake_received_kv_transfer_params"] is True
+
+        assert await metric(client, "pd_decisions_total", route="disaggregated",
+                            reason="policy_disaggregate") == 1
+        endpoint = "chat" if path == CHAT_PATH else "completions"
+        assert await metric(client, "pd_requests_total", endpoint=endpoint,
+                            route="disaggregated", status="200") == 1
+        for reason in ("prefill_error", "prefill_unreachable", "prefill_timeout", "bad_handoff"):
+            assert await metric(client, "pd_fallbacks_total", reason=reason) == 0
+
+    # Each fake played exactly one role, once.
+    assert len(prefill.prefill_requests) == 1 and not prefill.decode_requests
+    assert len(decode.decode_requests) == 1 and not decode.prefill_requests
+    p, d = prefill.prefill_requests[0], decode.decode_requests[0]
+    assert p.path == d.path == path
+    assert p.request_id == d.request_id == "req-happy-1"
+
+    # Prefill: the client's request cut down to one token, no stream, ids returned.
+    assert p.body["max_tokens"] == 1
+    assert p.body["stream"] is False
+    assert p.body["return_token_ids"] is True
+    assert "stream_options" not in p.body
+    assert p.body["kv_transfer_params"] == prefill_request_params()
+    assert without(p.body, "max_tokens", "stream", "return_token_ids", "kv_transfer_params") == \
+        without(body, "max_tokens")
+
+    # Decode: the client's body untouched, plus the prefill's params and prompt ids.
+    assert without(d.body, "kv_transfer_params") == body
+    expected = prefill.handoffs[0] | {"prompt_token_ids": prefill.handoff_prompt_ids[0]}
+    assert d.body["kv_transfer_params"] == expected
+    assert d.body["kv_transfer_params"]["x_fake_engine_extra"] == {"kept": True}
+
+
+async def test_request_id_is_generated_when_absent(prefill: FakeEngine, decode: FakeEngine) -> None:
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body())
+    assert resp.status_code == 200
+    rid = resp.headers["x-request-id"]
+    assert rid
+    assert prefill.prefill_requests[0].request_id == decode.decode_requests[0].request_id == rid
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+async def test_stream_relays_engine_bytes_exactly(
+    prefill: FakeEngine, decode: FakeEngine, path: str
+) -> None:
+    body = BODIES[path](stream=True, stream_options={"include_usage": True})
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(path, json=body, headers={"x-request-id": "req-stream"})
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["x-pd-route"] == "disaggregated"
+    assert resp.headers["x-request-id"] == "req-stream"
+    assert len(decode.sent_streams) == 1
+    assert resp.content == decode.sent_streams[0]
+    assert resp.content.endswith(DONE_FRAME)
+    # The prefill leg never streams; the decode leg gets the client's stream settings.
+    p, d = prefill.prefill_requests[0], decode.decode_requests[0]
+    assert p.body["stream"] is False and "stream_options" not in p.body
+    assert without(d.body, "kv_transfer_params") == body
+
+
+# --- prefill failures: serve locally and count why -------------------------------------------
+
+
+async def assert_served_locally(
+    client: httpx.AsyncClient, decode: FakeEngine, reason: str
+) -> None:
+    resp = await client.post(CHAT_PATH, json=chat_body(), headers={"x-request-id": "req-fb"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-pd-route"] == "local"
+    assert resp.json()["x_fake_received_kv_transfer_params"] is False
+    assert len(decode.decode_requests) == 1
+    d = decode.decode_requests[0]
+    assert d.body == chat_body() and d.request_id == "req-fb"
+    assert await metric(client, "pd_fallbacks_total", reason=reason) == 1
+    assert await metric(client, "pd_requests_total", endpoint="chat", route="local",
+                        status="200") == 1
+
+
+async def test_prefill_500_falls_back(prefill: FakeEngine, decode: FakeEngine) -> None:
+    prefill.prefill_status = 500
+    async with proxy(prefill, decode) as client:
+        await assert_served_locally(client, decode, "prefill_error")
+    assert len(prefill.prefill_requests) == 1
+
+
+async def test_prefill_unreachable_falls_back_and_is_marked_down(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    async with proxy(prefill, decode) as client:
+        # Start-up probes (one from start(), one from the health loop's first round) saw it up.
+        await prefill.wait_for_health_checks(2)
+        await prefill.stop()  # connection refused from now on
+        await assert_served_locally(client, decode, "prefill_unreachable")
+        # Marked down: the next request is routed locally without trying it again.
+        resp = await client.post(CHAT_PATH, json=chat_body())
+        assert resp.headers["x-pd-route"] == "local"
+        assert await metric(client, "pd_decisions_total", route="local",
+                            reason="prefill_unavailable") == 1
+        assert await metric(client, "pd_fallbacks_total", reason="prefill_unreachable") == 1
+        assert await metric(client, "pd_engine_up", role="prefill", engine="prefill-0") == 0
+
+
+async def test_prefill_timeout_falls_back(prefill: FakeEngine, decode: FakeEngine) -> None:
+    prefill.prefill_gate = gate = asyncio.Event()
+    async with proxy(prefill, decode, prefill_deadline_s=SHORT_S) as client:
+        await assert_served_locally(client, decode, "prefill_timeout")
+    assert not gate.is_set()  # it really was still hanging when the proxy gave up
+    assert len(prefill.prefill_requests) == 1
+
+
+BAD_HANDOFFS = {
+    "no params": json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode(),
+    "params without blocks": json.dumps({
+        "prompt_token_ids": [1, 2],
+        "kv_transfer_params": {"remote_engine_id": "e", "remote_request_id": "r",
+                               "remote_host": "h", "remote_port": 1},
+    }).encode(),
+    "json array": b"[]",
+    "json null": b"null",
+    "not json": b"<html>oops</html>",
+}
+
+
+@pytest.mark.parametrize("raw", BAD_HANDOFFS.values(), ids=BAD_HANDOFFS.keys())
+async def test_bad_handoff_falls_back(prefill: FakeEngine, decode: FakeEngine, raw: bytes) -> None:
+    prefill.prefill_raw_reply = raw
+    async with proxy(prefill, decode) as client:
+        await assert_served_locally(client, decode, "bad_handoff")
+
+
+async def test_prefill_400_is_the_clients_error(prefill: FakeEngine, decode: FakeEngine) -> None:
+    body = chat_body(messages=[{"role": "user", "content": f"{TOO_LONG} " * 50}])
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=body, headers={"x-request-id": "req-400"})
+        error = assert_error(resp, 400, "invalid_request_error")
+        assert "maximum context length" in error["message"]  # the engine's words, passed on
+        assert resp.headers["x-request-id"] == "req-400"
+        for reason in ("prefill_error", "bad_handoff"):
+            assert await metric(client, "pd_fallbacks_total", reason=reason) == 0
+    assert len(prefill.prefill_requests) == 1
+    assert not decode.completion_requests
+
+
+async def test_decode_400_is_the_clients_error(prefill: FakeEngine, decode: FakeEngine) -> None:
+    body = completions_body(prompt=f"{TOO_LONG} please")
+    async with proxy(prefill, decode, policy="local") as client:
+        resp = await client.post(COMPLETIONS_PATH, json=body)
+    error = assert_error(resp, 400, "invalid_request_error")
+    assert "maximum context length" in error["message"]
+    assert not prefill.completion_requests
+    assert len(decode.decode_requests) == 1
+
+
+# --- decode failures --------------------------------------------------------------------------
+
+
+async def test_decode_drop_mid_stream_ends_with_in_band_error(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    decode.decode_drop_after_frames = 2
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=True))
+        assert resp.status_code == 200
+        assert await metric(client, "pd_stream_errors_total", reason="decode_lost") == 1
+    sent = decode.sent_streams[0]
+    assert sent.count(b"\n\n") == 2
+    # Whatever the proxy read before the drop is relayed unchanged. (When the frames and the
+    # close arrive together, aiohttp raises the payload error before handing out buffered bytes,
+    # so the relayed part may be shorter than what the engine wrote, down to nothing.)
+    relayed, error = split_in_band_error(resp.content)
+    assert sent.startswith(relayed)
+    assert error["type"] == "upstream_error"
+
+
+async def test_decode_stall_mid_stream_ends_with_in_band_timeout(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    decode.decode_gate = asyncio.Event()
+    decode.decode_gate_after_frames = 2
+    async with proxy(prefill, decode, idle_deadline_s=SHORT_S) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=True))
+        assert resp.status_code == 200
+        assert await metric(client, "pd_stream_errors_total", reason="decode_timeout") == 1
+    relayed, error = split_in_band_error(resp.content)
+    assert error["type"] == "timeout_error"
+    # Normally both frames written before the stall; only a prefix if the host is very slow.
+    assert decode.sent_streams[0].startswith(relayed)
+    assert decode.sent_streams[0].count(b"\n\n") == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_never_answers_is_a_504(
+    prefill: FakeEngine, decode: FakeEngine, stream: bool
+) -> None:
+    decode.decode_gate = asyncio.Event()
+    async with proxy(prefill, decode, first_byte_deadline_s=SHORT_S) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=stream),
+                                 headers={"x-request-id": "req-504"})
+    assert_error(resp, 504, "timeout_error")
+    assert resp.headers["x-request-id"] == "req-504"
+    assert len(decode.decode_requests) == 1
+
+
+# --- requests refused at the edge -------------------------------------------------------------
+
+
+async def test_client_kv_transfer_params_are_refused(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    body = chat_body(kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.1.2.3",
+                                         "remote_port": 22, "remote_block_ids": [[1]]})
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=body)
+        assert_error(resp, 400, "invalid_request_error", "kv_transfer_params")
+        assert await metric(client, "pd_rejected_total", type="invalid_request_error") == 1
+    assert not prefill.completion_requests
+    assert not decode.completion_requests
+
+
+EDGE_ERRORS = [
+    ("malformed json", b'{"model": "m", "messages": [', "application/json", 400,
+     "invalid_request_error", None),
+    ("wrong content type", json.dumps(chat_body()).encode(), "text/plain", 415,
+     "invalid_request_error", None),
+    ("too large", json.dumps(chat_body(pad="x" * 2048)).encode(), "application/json", 413,
+     "invalid_request_error", None),
+    ("unknown model", json.dumps(chat_body(model="gpt-4")).encode(), "application/json", 404,
+     "not_found_error", "model"),
+    ("n=2", json.dumps(chat_body(n=2)).encode(), "application/json", 400,
+     "invalid_request_error", "n"),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "content_type", "status", "type_", "param"),
+    [e[1:] for e in EDGE_ERRORS],
+    ids=[e[0] for e in EDGE_ERRORS],
+)
+async def test_edge_errors_never_reach_an_engine(
+    prefill: FakeEngine, decode: FakeEngine, raw: bytes, content_type: str, status: int,
+    type_: str, param: str | None,
+) -> None:
+    async with proxy(prefill, decode, body_limit_bytes=1024) as client:
+        resp = await client.post(CHAT_PATH, content=raw, headers={"content-type": content_type,
+                                                                  "x-request-id": "req-edge"})
+    assert_error(resp, status, type_, param)
+    assert resp.headers["x-request-id"] == "req-edge"
+    assert not prefill.completion_requests and not decode.completion_requests
+
+
+# --- auth, models, health ---------------------------------------------------------------------
+
+
+async def test_api_key(prefill: FakeEngine, decode: FakeEngine) -> None:
+    async with proxy(prefill, decode, api_key="sekret") as client:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekret"},
+                        {"authorization": "Bearer sekret2"}):
+            resp = await client.post(CHAT_PATH, json=chat_body(), headers=headers)
+            assert_error(resp, 401, "authentication_error")
+            resp = await client.get("/v1/models", headers=headers)
+            assert_error(resp, 401, "authentication_error")
+        assert not prefill.completion_requests and not decode.completion_requests
+
+        good = {"authorization": "Bearer sekret"}
+        resp = await client.post(CHAT_PATH, json=chat_body(), headers=good)
+        assert resp.status_code == 200
+        assert (await client.get("/v1/models", headers=good)).status_code == 200
+        # Health and metrics stay public by default.
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 200
+
+
+async def test_private_health_needs_the_key(prefill: FakeEngine, decode: FakeEngine) -> None:
+    async with proxy(prefill, decode, api_key="sekret", public_health=False) as client:
+        assert_error(await client.get("/health"), 401, "authentication_error")
+        assert_error(await client.get("/metrics"), 401, "authentication_error")
+        good = {"authorization": "Bearer sekret"}
+        assert (await client.get("/health", headers=good)).status_code == 200
+        assert (await client.get("/metrics", headers=good)).status_code == 200
+
+
+async def test_models_lists_served_names(prefill: FakeEngine, decode: FakeEngine) -> None:
+    async with proxy(prefill, decode, served_model_names=("m", "m-alias")) as client:
+        resp = await client.get("/v1/models")
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["m", "m-alias"]
+    assert all(m["object"] == "model" for m in body["data"])
+
+
+async def test_health_ok_when_engines_are_up(prefill: FakeEngine, decode: FakeEngine) -> None:
+    async with proxy(prefill, decode) as client:
+        resp = await client.get("/health")
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "ok"}
+
+
+async def test_health_503_when_decode_is_down(prefill: FakeEngine, decode: FakeEngine) -> None:
+    await decode.stop()  # its port now refuses connections
+    async with proxy(prefill, decode) as client:
+        assert_error(await client.get("/health"), 503, "service_unavailable")
+        resp = await client.post(CHAT_PATH, json=chat_body())
+        assert_error(resp, 503, "service_unavailable")
+        assert await metric(client, "pd_engine_up", role="decode", engine="decode-0") == 0
+    assert not prefill.completion_requests
+
+
+async def test_health_503_when_prefill_is_down(prefill: FakeEngine, decode: FakeEngine) -> None:
+    """A configured prefill that is down makes the proxy unready (requests still fall back)."""
+    await prefill.stop()
+    async with proxy(prefill, decode) as client:
+        assert_error(await client.get("/health"), 503, "service_unavailable")
+        resp = await client.post(CHAT_PATH, json=chat_body())
+        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "local"
+
+
+@pytest.mark.parametrize("policy", ["local", "disaggregate"])
+async def test_decode_only_proxy(decode: FakeEngine, policy: str) -> None:
+    """No prefill engines configured: every request is served locally, and the proxy is ready."""
+    async with proxy(None, decode, policy=policy) as client:
+        resp = await client.get("/health")
+        assert resp.status_code == 200, resp.text
+        resp = await client.post(CHAT_PATH, json=chat_body())
+        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "local"
+        assert resp.json()["x_fake_received_kv_transfer_params"] is False
+        assert await metric(client, "pd_decisions_total", route="local",
+                            reason="prefill_unavailable") == 1

@@ -1,0 +1,245 @@
+"""proxy/requests.py: what the proxy refuses before any engine sees it, table-driven."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from proxy.errors import (
+    ClientError,
+    InvalidRequest,
+    ModelNotFound,
+    PayloadTooLarge,
+    ProxyError,
+    UnsupportedMediaType,
+    error_body,
+)
+from proxy.requests import (
+    ApiRequest,
+    Endpoint,
+    check_content_type,
+    check_request,
+    parse_body,
+)
+
+SERVED = {"m", "m-alias"}
+LIMIT_BYTES = 1024
+#: In a table's changes: remove this key from the base body.
+DELETE: Any = object()
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hi"}
+
+
+def base(endpoint: Endpoint) -> dict[str, Any]:
+    return json.loads(json.dumps(CHAT if endpoint == "chat" else COMPLETION))
+
+
+def check_error(exc: ProxyError, cls: type[ProxyError], param: str | None) -> None:
+    assert type(exc) is cls
+    assert isinstance(exc, ClientError) and 400 <= exc.status < 500
+    assert exc.param == param
+    body = error_body(exc)["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["message"] and "Traceback" not in body["message"]
+
+
+# --- raw body and content type ---------------------------------------------------------------
+
+RAW_BAD: list[tuple[str, bytes, type[ProxyError]]] = [
+    ("malformed", b'{"model": "m",', InvalidRequest),
+    ("empty", b"", InvalidRequest),
+    ("not utf-8", b"\xff\xfe\x00{", InvalidRequest),
+    ("array", b"[1, 2]", InvalidRequest),
+    ("string", b'"hello"', InvalidRequest),
+    ("null", b"null", InvalidRequest),
+    ("number", b"5", InvalidRequest),
+    ("over limit", b'{"prompt": "' + b"x" * LIMIT_BYTES + b'"}', PayloadTooLarge),
+]
+
+
+@pytest.mark.parametrize(("raw", "cls"), [(r, c) for _, r, c in RAW_BAD],
+                         ids=[n for n, _, _ in RAW_BAD])
+def test_parse_body_rejects(raw: bytes, cls: type[ProxyError]) -> None:
+    with pytest.raises(cls) as info:
+        parse_body(raw, LIMIT_BYTES)
+    check_error(info.value, cls, None)
+
+
+def test_payload_too_large_is_413() -> None:
+    assert PayloadTooLarge("x").status == 413
+
+
+def test_parse_body_limit_is_inclusive() -> None:
+    raw = b'{"p": "' + b"x" * (LIMIT_BYTES - 9) + b'"}'
+    assert len(raw) == LIMIT_BYTES
+    assert parse_body(raw, LIMIT_BYTES) == {"p": "x" * (LIMIT_BYTES - 9)}
+    with pytest.raises(PayloadTooLarge):
+        parse_body(raw + b" ", LIMIT_BYTES)
+
+
+def test_parse_body_returns_the_object() -> None:
+    assert parse_body(json.dumps(CHAT).encode(), LIMIT_BYTES) == CHAT
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+     "application/jsonl", "json"],
+)
+def test_wrong_content_type(content_type: str | None) -> None:
+    with pytest.raises(UnsupportedMediaType) as info:
+        check_content_type(content_type)
+    assert info.value.status == 415
+    check_error(info.value, UnsupportedMediaType, None)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        " application/json ",
+    ],
+)
+def test_json_content_types_accepted(content_type: str) -> None:
+    check_content_type(content_type)
+
+
+# --- request fields --------------------------------------------------------------------------
+
+# (name, endpoint, changes to the base body, error class, param)
+BAD: list[tuple[str, Endpoint, dict[str, Any], type[ProxyError], str | None]] = [
+    ("missing messages", "chat", {"messages": DELETE}, InvalidRequest, "messages"),
+    ("empty messages", "chat", {"messages": []}, InvalidRequest, "messages"),
+    ("messages an object", "chat", {"messages": {"role": "user"}}, InvalidRequest, "messages"),
+    ("messages a string", "chat", {"messages": "hi"}, InvalidRequest, "messages"),
+    ("message not an object", "chat", {"messages": ["hi"]}, InvalidRequest, "messages"),
+    ("message without role", "chat", {"messages": [{"content": "hi"}]}, InvalidRequest,
+     "messages"),
+    ("role not a string", "chat", {"messages": [{"role": 1, "content": "hi"}]}, InvalidRequest,
+     "messages"),
+    ("second message bad", "chat",
+     {"messages": [{"role": "user", "content": "hi"}, {"role": None}]}, InvalidRequest,
+     "messages"),
+    ("missing prompt", "completions", {"prompt": DELETE}, InvalidRequest, "prompt"),
+    ("empty prompt", "completions", {"prompt": ""}, InvalidRequest, "prompt"),
+    ("empty prompt list", "completions", {"prompt": []}, InvalidRequest, "prompt"),
+    ("prompt a number", "completions", {"prompt": 5}, InvalidRequest, "prompt"),
+    ("unknown model", "chat", {"model": "gpt-4"}, ModelNotFound, "model"),
+    ("unknown model (completions)", "completions", {"model": "M"}, ModelNotFound, "model"),
+    ("model not a string", "chat", {"model": ["m"]}, InvalidRequest, "model"),
+    ("stream a string", "chat", {"stream": "true"}, InvalidRequest, "stream"),
+    ("stream an int", "chat", {"stream": 1}, InvalidRequest, "stream"),
+    ("stream 0", "completions", {"stream": 0}, InvalidRequest, "stream"),
+    ("max_tokens 0", "chat", {"max_tokens": 0}, InvalidRequest, "max_tokens"),
+    ("max_tokens -1", "chat", {"max_tokens": -1}, InvalidRequest, "max_tokens"),
+    ("max_tokens string", "chat", {"max_tokens": "5"}, InvalidRequest, "max_tokens"),
+    ("max_tokens bool", "chat", {"max_tokens": True}, InvalidRequest, "max_tokens"),
+    ("max_tokens float", "completions", {"max_tokens": 5.0}, InvalidRequest, "max_tokens"),
+    ("max_completion_tokens 0", "chat", {"max_completion_tokens": 0}, InvalidRequest,
+     "max_completion_tokens"),
+    ("temperature negative", "chat", {"temperature": -0.1}, InvalidRequest, "temperature"),
+    ("temperature too high", "chat", {"temperature": 2.5}, InvalidRequest, "temperature"),
+    ("temperature NaN", "chat", {"temperature": float("nan")}, InvalidRequest, "temperature"),
+    ("temperature inf", "chat", {"temperature": float("inf")}, InvalidRequest, "temperature"),
+    ("temperature string", "chat", {"temperature": "0.5"}, InvalidRequest, "temperature"),
+    ("temperature bool", "chat", {"temperature": True}, InvalidRequest, "temperature"),
+    ("top_p 0", "chat", {"top_p": 0}, InvalidRequest, "top_p"),
+    ("top_p over 1", "chat", {"top_p": 1.01}, InvalidRequest, "top_p"),
+    ("top_p NaN", "completions", {"top_p": float("nan")}, InvalidRequest, "top_p"),
+    ("n=2", "chat", {"n": 2}, InvalidRequest, "n"),
+    ("n=0", "completions", {"n": 0}, InvalidRequest, "n"),
+    ("stream_options without stream", "chat", {"stream_options": {"include_usage": True}},
+     InvalidRequest, "stream_options"),
+    ("stream_options with stream false", "completions",
+     {"stream": False, "stream_options": {"include_usage": True}}, InvalidRequest,
+     "stream_options"),
+    ("client kv_transfer_params", "chat",
+     {"kv_transfer_params": {"remote_host": "169.254.169.254", "do_remote_prefill": True}},
+     InvalidRequest, "kv_transfer_params"),
+    ("client kv_transfer_params null", "completions", {"kv_transfer_params": None},
+     InvalidRequest, "kv_transfer_params"),
+]
+
+
+def apply(body: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    for key, value in changes.items():
+        if value is DELETE:
+            del body[key]
+        else:
+            body[key] = value
+    return body
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "changes", "cls", "param"),
+    [(e, ch, c, p) for _, e, ch, c, p in BAD],
+    ids=[n for n, *_ in BAD],
+)
+def test_bad_requests(
+    endpoint: Endpoint, changes: dict[str, Any], cls: type[ProxyError], param: str | None
+) -> None:
+    body = apply(base(endpoint), changes)
+    with pytest.raises(ProxyError) as info:
+        check_request(endpoint, body, SERVED)
+    check_error(info.value, cls, param)
+
+
+def test_nan_from_the_wire_is_rejected() -> None:
+    """Python's json accepts the bare NaN literal, so the check must hold after parsing too."""
+    body = parse_body(b'{"model": "m", "prompt": "hi", "temperature": NaN}', LIMIT_BYTES)
+    with pytest.raises(InvalidRequest) as info:
+        check_request("completions", body, SERVED)
+    assert info.value.param == "temperature"
+
+
+def test_client_params_checked_before_anything_else() -> None:
+    """Even an otherwise broken body is refused for its kv_transfer_params first."""
+    body = {"model": "nope", "kv_transfer_params": {}}
+    with pytest.raises(InvalidRequest) as info:
+        check_request("chat", body, SERVED)
+    assert info.value.param == "kv_transfer_params"
+
+
+GOOD: list[tuple[str, Endpoint, dict[str, Any], bool]] = [
+    ("chat minimal", "chat", {}, False),
+    ("chat no model", "chat", {"model": None}, False),
+    ("chat alias", "chat", {"model": "m-alias"}, False),
+    ("chat stream", "chat", {"stream": True}, True),
+    ("chat stream false", "chat", {"stream": False}, False),
+    ("chat stream_options", "chat", {"stream": True, "stream_options": {"include_usage": True}},
+     True),
+    ("completions minimal", "completions", {}, False),
+    ("completions stream", "completions", {"stream": True}, True),
+    ("prompt token ids", "completions", {"prompt": [1, 2, 3]}, False),
+    ("prompt list of strings", "completions", {"prompt": ["a", "b"]}, False),
+    ("sampling edges", "chat",
+     {"max_tokens": 1, "max_completion_tokens": 1, "temperature": 0, "top_p": 1, "n": 1}, False),
+    ("sampling upper edges", "completions", {"temperature": 2.0, "top_p": 0.01}, False),
+    ("nulls are unset", "chat", {"max_tokens": None, "temperature": None, "top_p": None}, False),
+    ("extra fields pass", "chat", {"seed": 1, "logprobs": True, "tools": []}, False),
+    ("any message role string", "chat",
+     {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "changes", "stream"),
+    [(e, ch, s) for _, e, ch, s in GOOD],
+    ids=[n for n, *_ in GOOD],
+)
+def test_good_requests_return_the_stream_flag(
+    endpoint: Endpoint, changes: dict[str, Any], stream: bool
+) -> None:
+    body = apply(base(endpoint), changes)
+    before = json.loads(json.dumps(body))
+    assert check_request(endpoint, body, SERVED) is stream
+    assert body == before  # checking never rewrites the client's body
+
+
+def test_api_request_path() -> None:
+    assert ApiRequest("chat", CHAT, False, "r").path == "/v1/chat/completions"
+    assert ApiRequest("completions", COMPLETION, True, "r").path == "/v1/completions"

@@ -1,0 +1,93 @@
+"""transport/connector.py: the ``--kv-transfer-config`` each engine role gets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from transport.connector import (
+    ConnectorOptions,
+    Role,
+    kv_transfer_config,
+    kv_transfer_config_json,
+    nixl_child,
+)
+
+
+def only_child(config: dict[str, Any]) -> dict[str, Any]:
+    children = config["kv_connector_extra_config"]["connectors"]
+    assert len(children) == 1
+    return children[0]
+
+
+@pytest.mark.parametrize(
+    ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")]
+)
+def test_roles_map_on_multiconnector_and_nixl_child(role: Role, kv_role: str) -> None:
+    config = kv_transfer_config(role)
+    assert config["kv_connector"] == "MultiConnector"
+    assert config["kv_role"] == kv_role
+    child = only_child(config)
+    assert child["kv_connector"] == "NixlConnector"
+    assert child["kv_role"] == kv_role
+    assert child == nixl_child(role, ConnectorOptions())
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_defaults(role: Role) -> None:
+    config = kv_transfer_config(role)
+    assert config == kv_transfer_config(role, ConnectorOptions())
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"]["kv_lease_duration"] == 30
+    child = only_child(config)
+    assert child["kv_load_failure_policy"] == "recompute"
+    assert child["kv_connector_extra_config"] == {"kv_lease_duration": 30, "backends": ["UCX"]}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_lease_failure_policy_and_backends_propagate(role: Role) -> None:
+    options = ConnectorOptions(
+        lease_s=45, load_failure_policy="fail", backends=("UCX", "LIBFABRIC")
+    )
+    config = kv_transfer_config(role, options)
+    child = only_child(config)
+    # MultiConnector level and NIXL child agree.
+    assert config["kv_load_failure_policy"] == child["kv_load_failure_policy"] == "fail"
+    assert config["kv_connector_extra_config"]["kv_lease_duration"] == 45
+    assert child["kv_connector_extra_config"]["kv_lease_duration"] == 45
+    assert child["kv_connector_extra_config"]["backends"] == ["UCX", "LIBFABRIC"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "options", [None, ConnectorOptions(), ConnectorOptions(lease_s=6, load_failure_policy="fail")]
+)
+def test_json_round_trip(role: Role, options: ConnectorOptions | None) -> None:
+    text = kv_transfer_config_json(role, options)
+    assert json.loads(text) == kv_transfer_config(role, options)
+    assert " " not in text  # compact: one argv token, no shell quoting surprises
+
+
+def test_configs_are_fresh_dicts() -> None:
+    a = kv_transfer_config("prefill")
+    a["kv_connector_extra_config"]["connectors"][0]["kv_role"] = "kv_consumer"
+    assert only_child(kv_transfer_config("prefill"))["kv_role"] == "kv_producer"
+
+
+@pytest.mark.parametrize("lease_s", [5, 1, 0, -30])
+def test_short_lease_rejected(lease_s: int) -> None:
+    with pytest.raises(ValueError, match="lease_s"):
+        ConnectorOptions(lease_s=lease_s)
+
+
+def test_minimum_lease_accepted() -> None:
+    assert ConnectorOptions(lease_s=6).lease_s == 6
+
+
+def test_options_are_frozen() -> None:
+    options = ConnectorOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.lease_s = 1  # type: ignore[misc]

@@ -1,0 +1,296 @@
+"""transport/kv_params.py: the one owner of the ``kv_transfer_params`` wire format."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from transport import kv_params
+from transport.kv_params import (
+    HandoffError,
+    PrefillHandoff,
+    decode_request_params,
+    has_client_params,
+    parse_prefill_reply,
+    prefill_request_params,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT_IDS = [151644, 872, 198, 9707, 11, 1879, 0, 151645]
+
+
+def nixl_params(**overrides: Any) -> dict[str, Any]:
+    """What vLLM 0.32's NixlConnector (pull mode) puts on a finished prefill's reply."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[3, 4, 5], [9]],
+        "remote_engine_id": "0b7c6f0e-prefill-engine",
+        "remote_request_id": "chatcmpl-req-42-0-9f1c",
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": 37,
+        "remote_blocks_expiry_time": 18234.625,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 16,
+    }
+    params.update(overrides)
+    return params
+
+
+def chat_reply(params: Any = None, **top: Any) -> dict[str, Any]:
+    """A vLLM 0.32 /v1/chat/completions reply to a prefill request (max_tokens=1, ids returned)."""
+    reply: dict[str, Any] = {
+        "id": "chatcmpl-req-42",
+        "object": "chat.completion",
+        "created": 1767225600,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hello", "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": [9707],
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1},
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(PROMPT_IDS),
+        "kv_transfer_params": nixl_params() if params is None else params,
+    }
+    reply.update(top)
+    return reply
+
+
+def completions_reply(params: Any = None) -> dict[str, Any]:
+    """A /v1/completions reply: the prompt ids live on the choice, not at the top level."""
+    return {
+        "id": "cmpl-req-43",
+        "object": "text_completion",
+        "created": 1767225600,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "text": " the",
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(PROMPT_IDS),
+                "token_ids": [279],
+            }
+        ],
+        "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1},
+        "kv_transfer_params": nixl_params() if params is None else params,
+    }
+
+
+# --- parse_prefill_reply -------------------------------------------------------------------
+
+
+def test_parse_chat_reply() -> None:
+    handoff = parse_prefill_reply(chat_reply())
+    assert handoff.engine_id == "0b7c6f0e-prefill-engine"
+    assert handoff.request_id == "chatcmpl-req-42-0-9f1c"
+    assert handoff.host == "10.0.0.7"
+    assert handoff.port == 5600
+    assert handoff.num_blocks == 4  # summed over KV cache groups
+    assert handoff.has_blocks
+    assert handoff.num_tokens == 37
+    assert handoff.cached_tokens == 16
+    assert handoff.prompt_token_ids == tuple(PROMPT_IDS)
+    assert dict(handoff.params) == nixl_params()
+
+
+def test_parse_completions_reply_reads_ids_from_the_choice() -> None:
+    handoff = parse_prefill_reply(completions_reply())
+    assert handoff.prompt_token_ids == tuple(PROMPT_IDS)
+    assert handoff.request_id == "chatcmpl-req-42-0-9f1c"
+
+
+def test_top_level_null_ids_fall_back_to_the_choice() -> None:
+    reply = completions_reply()
+    reply["prompt_token_ids"] = None
+    assert parse_prefill_reply(reply).prompt_token_ids == tuple(PROMPT_IDS)
+
+
+def test_optional_counts_default_to_zero() -> None:
+    params = nixl_params()
+    for key in ("remote_num_tokens", "remote_prefill_cached_tokens"):
+        del params[key]
+    handoff = parse_prefill_reply(chat_reply(params))
+    assert (handoff.num_tokens, handoff.cached_tokens) == (0, 0)
+
+
+def test_no_blocks() -> None:
+    handoff = parse_prefill_reply(chat_reply(nixl_params(remote_block_ids=[[]])))
+    assert handoff.num_blocks == 0
+    assert not handoff.has_blocks
+
+
+def test_numeric_string_port_is_accepted() -> None:
+    assert parse_prefill_reply(chat_reply(nixl_params(remote_port="5601"))).port == 5601
+
+
+def test_handoff_is_frozen_and_independent_of_the_reply() -> None:
+    reply = chat_reply()
+    handoff = parse_prefill_reply(reply)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        handoff.port = 1  # type: ignore[misc]
+    reply["kv_transfer_params"]["remote_host"] = "evil.example"
+    reply["kv_transfer_params"]["injected"] = True
+    reply["prompt_token_ids"].append(7)
+    assert handoff.params["remote_host"] == "10.0.0.7"
+    assert "injected" not in handoff.params
+    assert handoff.prompt_token_ids == tuple(PROMPT_IDS)
+
+
+def _without(key: str) -> dict[str, Any]:
+    params = nixl_params()
+    del params[key]
+    return params
+
+
+def _reply_without_ids() -> dict[str, Any]:
+    reply = chat_reply()
+    del reply["prompt_token_ids"]
+    return reply
+
+
+def _completions_without_choice_ids() -> dict[str, Any]:
+    reply = completions_reply()
+    del reply["choices"][0]["prompt_token_ids"]
+    return reply
+
+
+BAD_REPLIES: list[tuple[str, Any]] = [
+    ("null params", chat_reply() | {"kv_transfer_params": None}),
+    ("params missing", {k: v for k, v in chat_reply().items() if k != "kv_transfer_params"}),
+    ("params not an object", chat_reply(params=["remote_host"])),
+    ("params empty", chat_reply(params={})),
+    *[(f"missing {k}", chat_reply(_without(k))) for k in (
+        "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
+    )],
+    ("null remote_host", chat_reply(nixl_params(remote_host=None))),
+    ("null remote_block_ids", chat_reply(nixl_params(remote_block_ids=None))),
+    ("no ids anywhere", _reply_without_ids()),
+    ("completions choice without ids", _completions_without_choice_ids()),
+    ("empty ids", chat_reply(prompt_token_ids=[])),
+    ("ids not a list", chat_reply(prompt_token_ids="1 2 3")),
+    ("ids not ints", chat_reply(prompt_token_ids=[1, "2", 3])),
+    ("ids contain a float", chat_reply(prompt_token_ids=[1, 2.0])),
+    ("ids contain a bool", chat_reply(prompt_token_ids=[1, True])),
+    ("port not a number", chat_reply(nixl_params(remote_port="not-a-port"))),
+    ("port empty string", chat_reply(nixl_params(remote_port=""))),
+    ("port a list", chat_reply(nixl_params(remote_port=[5600]))),
+    # Malformed shapes must also be a HandoffError (the proxy falls back on it), not a crash.
+    ("reply is a list", [chat_reply()]),
+    ("reply is null", None),
+    ("choices not a list of objects", _reply_without_ids() | {"choices": ["x"]}),
+    ("choices a string", _reply_without_ids() | {"choices": "x"}),
+    ("block ids a flat list", chat_reply(nixl_params(remote_block_ids=[3, 4, 5]))),
+    ("block ids a string", chat_reply(nixl_params(remote_block_ids="3,4,5"))),
+    ("num_tokens not a number", chat_reply(nixl_params(remote_num_tokens="many"))),
+    ("cached tokens not a number", chat_reply(nixl_params(remote_prefill_cached_tokens=[1]))),
+]
+
+
+@pytest.mark.parametrize("reply", [r for _, r in BAD_REPLIES], ids=[n for n, _ in BAD_REPLIES])
+def test_bad_replies_raise_handoff_error(reply: Any) -> None:
+    with pytest.raises(HandoffError):
+        parse_prefill_reply(reply)
+
+
+def test_handoff_error_is_a_value_error() -> None:
+    assert issubclass(HandoffError, ValueError)
+
+
+# --- decode_request_params -------------------------------------------------------------------
+
+
+def test_decode_params_are_the_prefill_params_plus_prompt_ids() -> None:
+    handoff = parse_prefill_reply(chat_reply())
+    params = decode_request_params(handoff)
+    assert params == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
+    assert isinstance(params["prompt_token_ids"], list)  # JSON-ready, not a tuple
+
+
+def test_unknown_keys_pass_through_verbatim() -> None:
+    extra = {"future_key": {"nested": [1, 2]}, "remote_pcp_size": 2, "weird": None}
+    handoff = parse_prefill_reply(chat_reply(nixl_params(**extra)))
+    params = decode_request_params(handoff)
+    for key, value in extra.items():
+        assert key in params and params[key] == value
+
+
+def test_decode_params_do_not_mutate_the_handoff() -> None:
+    handoff = parse_prefill_reply(chat_reply())
+    before = copy.deepcopy(dict(handoff.params))
+    params = decode_request_params(handoff)
+    assert "prompt_token_ids" not in handoff.params
+    params["remote_host"] = "elsewhere"
+    params["prompt_token_ids"].append(1)
+    assert dict(handoff.params) == before
+    assert handoff.prompt_token_ids == tuple(PROMPT_IDS)
+    # Asking twice gives the same answer.
+    assert decode_request_params(handoff) == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
+
+
+def test_decode_params_from_a_constructed_handoff() -> None:
+    handoff = PrefillHandoff(
+        engine_id="e", request_id="r", host="h", port=1, num_blocks=0, num_tokens=0,
+        cached_tokens=0, prompt_token_ids=(5, 6), params={"k": "v"},
+    )
+    assert decode_request_params(handoff) == {"k": "v", "prompt_token_ids": [5, 6]}
+
+
+# --- prefill_request_params / has_client_params -----------------------------------------------
+
+
+def test_prefill_request_params() -> None:
+    params = prefill_request_params()
+    assert params["do_remote_decode"] is True
+    assert params["do_remote_prefill"] is False
+    assert prefill_request_params() is not params  # a fresh dict each call: safe to mutate
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"model": "m", "messages": []}, False),
+        ({"kv_transfer_params": {"remote_host": "169.254.169.254"}}, True),
+        ({"kv_transfer_params": None}, True),  # present at all is refused
+        ({"kv_transfer": {}}, False),
+        ({}, False),
+    ],
+)
+def test_has_client_params(body: dict[str, Any], expected: bool) -> None:
+    assert has_client_params(body) is expected
+
+
+def test_body_key() -> None:
+    assert kv_params.BODY_KEY == "kv_transfer_params"
+
+
+# --- one owner of the wire format --------------------------------------------------------------
+
+
+def test_remote_block_ids_is_spelled_only_in_kv_params() -> None:
+    packages = ("prefill", "decode", "proxy", "launch", "transport")
+    holders = {
+        path.relative_to(REPO_ROOT).as_posix()
+        for package in packages
+        for path in (REPO_ROOT / package).rglob("*.py")
+        if "remote_block_ids" in path.read_text(encoding="utf-8", errors="replace")
+    }
+    assert holders == {"transport/kv_params.py"}
