@@ -31,7 +31,8 @@ from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
 from proxy.pool import EnginePool
 from proxy.requests import ApiRequest, Endpoint, check_content_type, check_request, parse_body
-from proxy.warmup import warm_up_pairs
+from proxy.costs import RouteCosts
+from proxy.warmup import probe_routes, warm_up_pairs
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ class ProxyState:
             [mk("decode", i, u) for i, u in enumerate(self.config.decode_urls)],
             self.metrics,
         )
+        self.costs = RouteCosts(self.config.kv_bytes_per_token or 1)
         self.orchestrator = Orchestrator(
-            self.pool, parse_policy(self.config.policy), self.config.deadlines(), self.metrics
+            self.pool, parse_policy(self.config.policy), self.config.deadlines(), self.metrics,
+            self.costs,
         )
         await self.pool.probe_all()
         self._tasks.append(asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
@@ -65,7 +68,10 @@ class ProxyState:
             self._tasks.append(asyncio.create_task(self._warm_up()))
 
     async def _warm_up(self) -> None:
+        assert self.orchestrator is not None
         await warm_up_pairs(self.pool, self.config.served_model_names[0])
+        await probe_routes(self.orchestrator, self.config.served_model_names[0],
+                           self.config.probe_tokens)
         self.warmed = True  # tried once; failures are logged, later requests still work
 
     async def stop(self) -> None:
@@ -178,6 +184,16 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if state.ready:
             return Response(_dumps({"status": "ok"}), media_type="application/json")
         return _error_response(NoEngineAvailable("not ready: engines starting or down"))
+
+    @app.get("/pd/costs")
+    async def costs(request: Request) -> Response:
+        """The live cost model (fits, queued work): what the next decisions will use."""
+        if not config.public_health:
+            try:
+                check_auth(request)
+            except ProxyError as err:
+                return _error_response(err)
+        return Response(_dumps(state.costs.describe()), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -14,7 +14,12 @@ class ProxyConfig(BaseModel):
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...] = Field(min_length=1)
     served_model_names: tuple[str, ...] = Field(min_length=1)
-    policy: str = "disaggregate"
+    policy: str = "auto"
+    #: KV bytes one prompt token moves over the link (``transport.kv_size``); needed by ``auto``.
+    kv_bytes_per_token: int | None = Field(default=None, gt=0)
+    #: Prompt lengths (tokens, approximate) of the start-up probes that seed the cost model,
+    #: each sent once per route and pair. Empty = no probes (priors until traffic teaches).
+    probe_tokens: tuple[int, ...] = (64, 256, 1024)
     api_key: str | None = None
     #: When False, /health and /metrics also require the API key.
     public_health: bool = True
@@ -35,9 +40,11 @@ class ProxyConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check_deadlines(self) -> "ProxyConfig":
+    def _check_cross_fields(self) -> "ProxyConfig":
         if self.total_deadline_s < self.first_byte_deadline_s:
             raise ValueError("total_deadline_s must be >= first_byte_deadline_s")
+        if self.policy == "auto" and self.kv_bytes_per_token is None:
+            raise ValueError("policy 'auto' needs kv_bytes_per_token (from the model config)")
         return self
 
     def deadlines(self) -> Deadlines:

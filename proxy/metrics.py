@@ -44,6 +44,12 @@ class ProxyMetrics:
             " byte), ttft (request in -> first byte out), total.",
             ["stage", "route"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )
+        self.ttft_prediction_ratio = Histogram(
+            "pd_ttft_prediction_ratio", "Measured / predicted time to first token, by route"
+            " (1.0 = the cost model was exact).",
+            ["route"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=r,
+        )
         self.inflight_requests = Gauge(
             "pd_inflight_requests", "Requests being served now.", registry=r,
         )

@@ -4,6 +4,9 @@
 iterator of SSE bytes exactly as the decode engine framed them), or raises a ``ProxyError``
 before anything was sent. Once a stream has started, failures end it with an in-band error event
 and ``[DONE]``; the decode request is closed (aborted) in a ``finally`` whatever happens.
+
+Every request records what it measured (prefill time, hand-over, time to first token) into the
+live cost state that the next decisions use.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
 from proxy.errors import (
@@ -27,7 +31,7 @@ from proxy.errors import (
     from_engine_error,
 )
 from proxy.metrics import ProxyMetrics
-from proxy.policy import PolicyMode, RouteInputs, decide
+from proxy.policy import Decision, PolicyMode, RouteInputs, decide
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
 from transport import kv_params
@@ -51,14 +55,29 @@ class Stream:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """Rough prompt length before tokenization (chars / 4, as llm-d estimates it)."""
+@dataclass
+class _Trace:
+    """What one request measured on its way; fed to metrics and the cost state."""
+
+    decision: Decision
+    prefill: Engine | None
+    decode: Engine
+    prompt_chars: int
+    prompt_tokens_est: int
+    t_start: float
+    route: str = "local"
+    handoff: kv_params.PrefillHandoff | None = None
+    t_handoff: float = 0.0
+    t_decode_sent: float = 0.0
+    decode_was_idle: bool = False
+    queued_tokens: int = 0
+
+
+def prompt_chars(body: dict[str, Any]) -> int:
     if "messages" in body:
-        chars = sum(len(str(m.get("content") or "")) for m in body["messages"])
-    else:
-        prompt = body.get("prompt")
-        chars = len(prompt) if isinstance(prompt, str) else 4 * len(prompt or [])
-    return chars // 4
+        return sum(len(str(m.get("content") or "")) for m in body["messages"])
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 4 * len(prompt or [])
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -73,59 +92,87 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def estimate_header(decision: Decision) -> str | None:
+    if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
+        return None
+    return (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
+            f"local={decision.predicted_local_s * 1e3:.1f}ms")
+
+
 class Orchestrator:
     def __init__(
-        self, pool: EnginePool, policy: PolicyMode, deadlines: Deadlines, metrics: ProxyMetrics
+        self,
+        pool: EnginePool,
+        policy: PolicyMode,
+        deadlines: Deadlines,
+        metrics: ProxyMetrics,
+        costs: RouteCosts,
     ):
         self.pool = pool
         self.policy = policy
         self.deadlines = deadlines
         self.metrics = metrics
+        self.costs = costs
 
     async def serve(self, req: ApiRequest) -> Reply | Stream:
+        trace = self._plan(req)
+        if trace.decision.route == "disaggregated" and trace.prefill is not None:
+            trace.handoff = await self._prefill_or_fallback(trace, req)
+        trace.route = "disaggregated" if trace.handoff is not None else "local"
+        trace.t_handoff = time.perf_counter()
+        body = dict(req.body)
+        if trace.handoff is not None:
+            body[kv_params.BODY_KEY] = kv_params.decode_request_params(trace.handoff)
+            self.metrics.stage_seconds.labels("prefill", trace.route).observe(
+                trace.t_handoff - trace.t_start
+            )
+        else:  # the decode engine computes the prompt: that is queued prompt work on it
+            trace.queued_tokens = trace.prompt_tokens_est
+            trace.decode_was_idle = self.costs.begin(trace.decode.name, trace.queued_tokens)
+        out_headers = {"x-request-id": req.request_id, "x-pd-route": trace.route}
+        if (estimate := estimate_header(trace.decision)) is not None:
+            out_headers["x-pd-estimate"] = estimate
+        try:
+            if not req.stream:
+                return Reply(trace.route, 200, await self._decode_whole(trace, req, body),
+                             out_headers)
+            with self.pool.using(trace.decode):
+                stream = await self._open_decode(trace, req, body)
+        except BaseException:
+            self._end_decode_work(trace)
+            raise
+        return Stream(trace.route, self._relay(stream, trace), out_headers)
+
+    # -- planning ------------------------------------------------------------------------------
+    def _plan(self, req: ApiRequest) -> _Trace:
         t_start = time.perf_counter()
         decode = self.pool.pick_decode()
         if decode is None:
             raise NoEngineAvailable("no decode engine is available")
         prefill = self.pool.pick_prefill()
+        chars = prompt_chars(req.body)
+        tokens = self.costs.token_ratio.tokens(chars)
+        costs = self.costs.inputs(prefill.name if prefill else None, decode.name)
         decision = decide(
             self.policy,
-            RouteInputs(
-                prompt_tokens=estimate_prompt_tokens(req.body),
-                prefill_available=prefill is not None,
-            ),
+            RouteInputs(prompt_tokens=tokens, prefill_available=prefill is not None,
+                        costs=costs),
         )
+        if req.force_route is not None and (req.force_route == "local" or prefill is not None):
+            decision = replace(decision, route=req.force_route, reason="forced")
         self.metrics.decisions_total.labels(decision.route, decision.reason).inc()
-        handoff = None
-        if decision.route == "disaggregated" and prefill is not None:
-            handoff = await self._prefill_or_fallback(prefill, req)
-        route = "disaggregated" if handoff is not None else "local"
-        t_handoff = time.perf_counter()
-        if handoff is not None:
-            self.metrics.stage_seconds.labels("prefill", route).observe(t_handoff - t_start)
-        body = dict(req.body)
-        if handoff is not None:
-            body[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff)
-        headers = {"x-request-id": req.request_id}
-        out_headers = {"x-request-id": req.request_id, "x-pd-route": route}
-        if not req.stream:
-            with self.pool.using(decode):
-                stream = await self._open_decode(decode, req, body, headers)
-                try:
-                    data = await self._read_whole(stream)
-                finally:
-                    stream.close()
-            self._observe_first_byte(route, t_start, t_handoff, handoff is not None)
-            return Reply(route, 200, data, out_headers)
-        with self.pool.using(decode):
-            stream = await self._open_decode(decode, req, body, headers)
-        return Stream(
-            route, self._relay(stream, decode, route, t_start, t_handoff, handoff), out_headers
-        )
+        return _Trace(decision, prefill, decode, chars, tokens, t_start)
 
-    async def _prefill_or_fallback(self, prefill: Engine, req: ApiRequest):
+    # -- prefill leg ---------------------------------------------------------------------------
+    async def _prefill_or_fallback(
+        self, trace: _Trace, req: ApiRequest
+    ) -> kv_params.PrefillHandoff | None:
         """Run the prefill leg; on an engine failure return None (serve local) and count why."""
+        prefill = trace.prefill
+        assert prefill is not None
         headers = {"x-request-id": req.request_id}
+        idle = self.costs.begin(prefill.name, trace.prompt_tokens_est)
+        t0 = time.perf_counter()
         try:
             with self.pool.using(prefill):
                 reply = await prefill.client.post_json(
@@ -135,7 +182,7 @@ class Orchestrator:
                 raise from_engine_error(reply.status, reply.body)
             if reply.status != 200:
                 return self._fallback("prefill_error")
-            return kv_params.parse_prefill_reply(reply.json())
+            handoff = kv_params.parse_prefill_reply(reply.json())
         except ClientError:
             raise
         except EngineUnreachable:
@@ -145,18 +192,30 @@ class Orchestrator:
             return self._fallback("prefill_timeout")
         except (kv_params.HandoffError, ValueError):
             return self._fallback("bad_handoff")
+        finally:
+            self.costs.end(prefill.name, trace.prompt_tokens_est)
+        n = len(handoff.prompt_token_ids)
+        self.costs.observe_prompt(trace.prompt_chars, n)
+        if idle:
+            self.costs.observe_remote_prefill(
+                prefill.name, n - handoff.cached_tokens, time.perf_counter() - t0
+            )
+        return handoff
 
     def _fallback(self, reason: str) -> None:
         log.warning("prefill failed (%s): serving locally", reason)
         self.metrics.fallbacks_total.labels(reason).inc()
         return None
 
-    async def _open_decode(
-        self, decode: Engine, req: ApiRequest, body: dict[str, Any], headers: dict[str, str]
-    ) -> EngineStream:
+    # -- decode leg ----------------------------------------------------------------------------
+    async def _open_decode(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]
+                           ) -> EngineStream:
+        decode = trace.decode
+        trace.t_decode_sent = time.perf_counter()
         try:
             stream = await decode.client.open_stream(
-                req.path, body, headers, self.deadlines.first_byte_s, self.deadlines.idle_s
+                req.path, body, {"x-request-id": req.request_id},
+                self.deadlines.first_byte_s, self.deadlines.idle_s,
             )
         except EngineUnreachable:
             self.pool.mark_down(decode)
@@ -171,53 +230,71 @@ class Orchestrator:
             raise from_engine_error(stream.status, data)
         return stream
 
-    async def _read_whole(self, stream: EngineStream) -> bytes:
-        try:
-            async with asyncio.timeout(self.deadlines.total_s):
-                return await stream.read_all()
-        except TimeoutError:
-            raise StageTimeout("the decode engine did not finish in time") from None
-        except Exception:
-            raise UpstreamError("the decode engine failed while answering") from None
+    async def _decode_whole(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]) -> bytes:
+        with self.pool.using(trace.decode):
+            stream = await self._open_decode(trace, req, body)
+            try:
+                async with asyncio.timeout(self.deadlines.total_s):
+                    data = await stream.read_all()
+            except TimeoutError:
+                raise StageTimeout("the decode engine did not finish in time") from None
+            except Exception:
+                raise UpstreamError("the decode engine failed while answering") from None
+            finally:
+                stream.close()
+                self._end_decode_work(trace)
+        # A whole reply has no first-token time: only its total is recorded.
+        self.metrics.stage_seconds.labels("total", trace.route).observe(
+            time.perf_counter() - trace.t_start
+        )
+        return data
 
-    def _observe_first_byte(
-        self, route: str, t_start: float, t_handoff: float, disaggregated: bool
-    ) -> None:
+    def _end_decode_work(self, trace: _Trace) -> None:
+        if trace.queued_tokens:
+            self.costs.end(trace.decode.name, trace.queued_tokens)
+            trace.queued_tokens = 0
+
+    def _on_first_byte(self, trace: _Trace) -> None:
         now = time.perf_counter()
-        self.metrics.stage_seconds.labels("ttft", route).observe(now - t_start)
-        if disaggregated:
-            self.metrics.stage_seconds.labels("handover", route).observe(now - t_handoff)
+        self._end_decode_work(trace)
+        ttft = now - trace.t_start
+        self.metrics.stage_seconds.labels("ttft", trace.route).observe(ttft)
+        predicted = trace.decision.predicted_s() if trace.route == trace.decision.route else None
+        if predicted:
+            self.metrics.ttft_prediction_ratio.labels(trace.route).observe(ttft / predicted)
+        if trace.handoff is not None and trace.prefill is not None:
+            handover = now - trace.t_handoff
+            self.metrics.stage_seconds.labels("handover", trace.route).observe(handover)
+            self.costs.observe_handover(trace.prefill.name, trace.decode.name,
+                                        len(trace.handoff.prompt_token_ids), handover)
+        elif trace.decode_was_idle:
+            self.costs.observe_local_prefill(trace.decode.name, trace.prompt_tokens_est,
+                                             now - trace.t_decode_sent)
 
-    async def _relay(
-        self,
-        stream: EngineStream,
-        decode: Engine,
-        route: str,
-        t_start: float,
-        t_handoff: float,
-        handoff: kv_params.PrefillHandoff | None,
-    ) -> AsyncIterator[bytes]:
+    async def _relay(self, stream: EngineStream, trace: _Trace) -> AsyncIterator[bytes]:
         first = True
         tail = b""
+        decode = trace.decode
         decode.inflight += 1
         try:
             async with asyncio.timeout(self.deadlines.total_s):
                 async for chunk in stream.chunks():
                     if first:
                         first = False
-                        self._observe_first_byte(route, t_start, t_handoff, handoff is not None)
+                        self._on_first_byte(trace)
                     tail = (tail + chunk)[-32:]
                     yield chunk
             if _DONE not in tail:
                 raise EngineUnreachable("decode stream ended without [DONE]")
         except (EngineUnreachable, EngineTimeout, TimeoutError) as exc:
-            reason = "decode_timeout" if not isinstance(exc, EngineUnreachable) else "decode_lost"
+            lost = isinstance(exc, EngineUnreachable)
+            reason = "decode_lost" if lost else "decode_timeout"
             self.metrics.stream_errors_total.labels(reason).inc()
-            if isinstance(exc, EngineUnreachable):
+            if lost:
                 self.pool.mark_down(decode)
             err: ProxyError = (
                 UpstreamError("the decode engine failed mid-stream")
-                if reason == "decode_lost"
+                if lost
                 else StageTimeout("the decode engine stalled mid-stream")
             )
             yield error_sse(err)
@@ -228,7 +305,7 @@ class Orchestrator:
         finally:
             decode.inflight -= 1
             stream.close()
-            self.metrics.stage_seconds.labels("total", route).observe(
-                time.perf_counter() - t_start
+            self._end_decode_work(trace)
+            self.metrics.stage_seconds.labels("total", trace.route).observe(
+                time.perf_counter() - trace.t_start
             )
-

@@ -25,6 +25,9 @@ class ApiRequest:
     body: dict[str, Any]
     stream: bool
     request_id: str
+    #: Set only by the proxy itself (start-up probes, benchmarks via the admin API): skip the
+    #: policy and take this route.
+    force_route: Literal["disaggregated", "local"] | None = None
 
     @property
     def path(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from proxy.pool import EnginePool
 from transport import kv_params
@@ -11,6 +12,8 @@ from transport import kv_params
 log = logging.getLogger(__name__)
 
 # Long enough to fill several KV blocks, so the warm-up really moves KV over NIXL.
+_PROBE_WORDS = ("alpha", "river", "stone", "orbit", "maple", "signal", "harbor", "ember",
+                "canyon", "falcon", "glacier", "mosaic", "lagoon", "cobalt", "tundra", "beacon")
 _WARMUP_PROMPT = " ".join(["warm up the prefill to decode path"] * 24)
 
 
@@ -44,3 +47,27 @@ async def _warm_pair(prefill, decode, model: str) -> bool:
     except Exception as exc:  # warm-up failure is logged, the proxy still serves
         log.warning("warm-up %s -> %s failed: %s", prefill.name, decode.name, exc)
         return False
+
+
+async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) -> None:
+    """Seed the cost model: each probe length once per route, streamed, on the real engines.
+
+    Probes go through the orchestrator like user requests (so they measure exactly what users
+    see) with the route forced. Prompts are random so no engine has them cached.
+    """
+    from proxy.requests import ApiRequest
+
+    rng = random.Random()
+    for n in probe_tokens:
+        for route in ("local", "disaggregated"):
+            words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n))
+            body = {"model": model, "prompt": words, "max_tokens": 1, "temperature": 0,
+                    "stream": True}
+            req = ApiRequest("completions", body, True, f"pdserve-probe-{route}-{n}",
+                             force_route=route)  # type: ignore[arg-type]
+            try:
+                result = await orchestrator.serve(req)
+                async for _ in result.chunks:
+                    pass
+            except Exception as exc:  # a failed probe leaves the priors in place
+                log.warning("probe %s/%d failed: %s", route, n, exc)

@@ -80,6 +80,7 @@ async def proxy(
         "prefill_urls": (prefill.url,) if prefill is not None else (),
         "decode_urls": (decode.url,),
         "served_model_names": ("m",),
+        "policy": "disaggregate",
         "warmup": False,
         "health_interval_s": 3600.0,  # probes at start only; tests mark engines down themselves
         "prefill_deadline_s": 10.0,

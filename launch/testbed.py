@@ -1,0 +1,455 @@
+"""A real, throttled network link on one machine: the prefill side lives in its own netns.
+
+Contract
+--------
+``ThrottledLink`` builds, on a Linux host where we are root, this topology::
+
+    root namespace                         netns <name>
+    (decode engine, proxy, callers)        (prefill engine, via link.wrap(argv))
+    <name>-h  10.<octet>.0.1/24  <== veth ==>  <name>-n  10.<octet>.0.2/24   (+ its own lo, up)
+
+and shapes both directions of the veth with ``tc`` (egress of ``<name>-h`` = traffic into the
+netns, egress of ``<name>-n`` = traffic out of it), so a KV transfer between the two sides crosses a
+link of known bandwidth (and optionally one-way delay) that can be *measured*, not just assumed.
+The netns has no default route: processes inside can reach only ``host_addr`` (and their own
+loopback), so nothing started through ``wrap`` can send traffic anywhere else.
+
+Who calls what, in which order:
+
+1. Callers (tests, benchmarks, a dev-mode launcher) first check ``available()``: root, ``ip`` and
+   ``tc`` present, and a trial ``ip netns add`` works. It never raises.
+2. ``link.create()`` (or ``with ThrottledLink(...) as link:``). It first removes leftovers of the
+   same name from a crashed earlier run (netns ``<name>``, veth ``<name>-h``), refuses to run if
+   another interface or route already claims the subnet, then builds the topology. The link starts
+   unthrottled.
+3. ``link.set_rate(LinkSpec(rate_mbit=100))`` any number of times, without recreating anything;
+   ``LinkSpec(None)`` removes the shaping. ``measure_mbit(link)`` measures real TCP goodput from the
+   root namespace into the netns (it counts payload bytes, so a ``tbf`` rate of R mbit reads as
+   about 0.95 R: Ethernet/IP/TCP headers are charged to the link too).
+4. The caller starts the prefill side with ``subprocess.Popen(link.wrap(argv), ...)``, points it at
+   ``link.host_addr`` for anything in the root namespace, and points the root side at
+   ``link.ns_addr``. The caller owns those processes and must stop them before step 5.
+5. ``link.destroy()`` (or leaving the ``with`` block) deletes the veth pair and the netns. It is
+   idempotent and never raises for things already gone, so it belongs in ``finally``. It never kills
+   processes; if some are still inside the netns it warns (the namespace then lingers, detached and
+   without a link, until they exit).
+
+The owner of a ``ThrottledLink`` (whoever called ``create``) is the one who cleans up. One name =
+one link: two live ``ThrottledLink`` objects with the same name or subnet would tear each other
+down. Interface names are limited to 15 characters, hence ``name`` to 13.
+
+Every command runs with a timeout; a failing one raises ``TestbedError`` naming the command and
+its stderr.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["LinkSpec", "TestbedError", "ThrottledLink", "available", "measure_mbit"]
+
+CMD_TIMEOUT_S = 15.0
+
+# tc messages that mean "there was no root qdisc to delete": fine when removing shaping.
+_NO_QDISC_MARKERS = (
+    "Cannot delete qdisc with handle of zero",
+    "No such file or directory",
+    "Cannot find specified qdisc",
+)
+# ip messages that mean "already gone": fine when cleaning up.
+_GONE_MARKERS = (
+    "No such file or directory",
+    "Cannot find device",
+    "does not exist",
+)
+
+
+class TestbedError(RuntimeError):
+    """A testbed command failed (the message names the command and carries its stderr)."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """Shaping for each direction of the link.
+
+    ``rate_mbit``: bandwidth in Mbit/s (10**6 bit/s) per direction; ``None`` = unthrottled.
+    ``delay_ms``: one-way delay added in each direction (so the RTT grows by ``2 * delay_ms``).
+    """
+
+    rate_mbit: float | None
+    delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit is not None and not self.rate_mbit > 0:
+            raise ValueError(f"rate_mbit must be > 0 or None, got {self.rate_mbit!r}")
+        if not self.delay_ms >= 0:
+            raise ValueError(f"delay_ms must be >= 0, got {self.delay_ms!r}")
+
+    @property
+    def unthrottled(self) -> bool:
+        return self.rate_mbit is None and self.delay_ms == 0
+
+
+UNTHROTTLED = LinkSpec(None)
+
+
+def _run(
+    argv: Sequence[str],
+    timeout_s: float = CMD_TIMEOUT_S,
+    ok_if: Sequence[str] = (),
+) -> subprocess.CompletedProcess:
+    """Run a command; raise TestbedError on failure unless stderr contains one of ``ok_if``."""
+    cmd = " ".join(argv)
+    try:
+        proc = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise TestbedError(f"`{cmd}` timed out after {timeout_s:.0f}s") from e
+    except OSError as e:
+        raise TestbedError(f"`{cmd}` could not run: {e}") from e
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout or "").strip()
+        if any(m in err for m in ok_if):
+            return proc
+        raise TestbedError(f"`{cmd}` failed with exit code {proc.returncode}: {err or '(no stderr)'}")
+    return proc
+
+
+def available() -> bool:
+    """Whether this machine can host a ThrottledLink: root, ``ip`` and ``tc``, and netns creation.
+
+    The trial creates and deletes a uniquely named namespace; it never raises.
+    """
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    probe = f"pdtb-probe-{os.getpid()}"
+    try:
+        _run(["ip", "netns", "add", probe], timeout_s=10)
+    except TestbedError:
+        return False
+    try:
+        _run(["ip", "netns", "del", probe], timeout_s=10, ok_if=_GONE_MARKERS)
+    except TestbedError:
+        return False
+    return True
+
+
+def _tbf_params(rate_mbit: float) -> tuple[int, int]:
+    """(burst bytes, queue limit bytes) for a tbf of ``rate_mbit``.
+
+    burst: 4 ms worth of tokens, at least 3 full-size frames. That is above rate/HZ for HZ >= 250
+    (tbf also works below that with high-resolution timers) and small enough that the initial
+    full bucket barely skews a 2-3 s measurement at 1 Mbit/s. GSO packets larger than the burst
+    are segmented by tbf itself.
+    queue limit: 100 ms worth of data, at least 192 KiB, so a single TCP stream with a 64 KiB
+    GSO packet in flight never sees tail drops that would keep it below the configured rate.
+    """
+    rate_bps = rate_mbit * 1e6 / 8
+    burst = max(3 * 1514, int(rate_bps * 0.004))
+    limit = max(192 * 1024, int(rate_bps * 0.1))
+    return burst, limit
+
+
+class ThrottledLink:
+    """Netns ``name`` joined to the root namespace by a shaped veth pair (see the module doc)."""
+
+    def __init__(self, name: str = "pdtb", subnet_octet: int = 231) -> None:
+        if not name or len(name) > 13 or not all(c.isalnum() or c in "-_" for c in name):
+            raise ValueError(
+                f"name must be 1-13 characters of [A-Za-z0-9_-] (interface names are limited to"
+                f" 15 and get a 2-character suffix), got {name!r}"
+            )
+        if not 0 <= subnet_octet <= 255:
+            raise ValueError(f"subnet_octet must be 0-255, got {subnet_octet!r}")
+        self._name = name
+        self._octet = subnet_octet
+        self._spec: LinkSpec = UNTHROTTLED
+        self._created = False
+
+    # ------------------------------------------------------------------ names and addresses
+
+    @property
+    def netns(self) -> str:
+        return self._name
+
+    @property
+    def host_device(self) -> str:
+        return f"{self._name}-h"
+
+    @property
+    def ns_device(self) -> str:
+        return f"{self._name}-n"
+
+    @property
+    def subnet(self) -> ipaddress.IPv4Network:
+        return ipaddress.IPv4Network(f"10.{self._octet}.0.0/24")
+
+    @property
+    def host_addr(self) -> str:
+        return f"10.{self._octet}.0.1"
+
+    @property
+    def ns_addr(self) -> str:
+        return f"10.{self._octet}.0.2"
+
+    @property
+    def spec(self) -> LinkSpec:
+        """The shaping last applied by ``set_rate`` (unthrottled after ``create``)."""
+        return self._spec
+
+    @property
+    def created(self) -> bool:
+        return self._created
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside the netns (as root, same filesystem and environment)."""
+        return ["ip", "netns", "exec", self._name, *argv]
+
+    def __repr__(self) -> str:
+        return (
+            f"ThrottledLink(netns={self._name!r}, {self.host_device} {self.host_addr} <-> "
+            f"{self.ns_device} {self.ns_addr}, spec={self._spec}, created={self._created})"
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self) -> ThrottledLink:
+        """Build netns + veth pair (after removing leftovers of the same name); unthrottled."""
+        self._cleanup()
+        self._check_subnet_free()
+        ns, h, n = self._name, self.host_device, self.ns_device
+        try:
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "link", "add", h, "type", "veth", "peer", "name", n, "netns", ns])
+            _run(["ip", "addr", "add", f"{self.host_addr}/24", "dev", h])
+            _run(["ip", "link", "set", h, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.ns_addr}/24", "dev", n])
+            _run(["ip", "-n", ns, "link", "set", n, "up"])
+        except BaseException:
+            self._cleanup()
+            raise
+        self._created = True
+        self._spec = UNTHROTTLED
+        return self
+
+    def destroy(self) -> None:
+        """Delete the veth pair and the netns. Idempotent; never kills processes (warns instead)."""
+        self._created = False
+        self._spec = UNTHROTTLED
+        self._cleanup()
+
+    def __enter__(self) -> ThrottledLink:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+    def _cleanup(self) -> None:
+        ns, h = self._name, self.host_device
+        if self._netns_exists():
+            pids = _run(["ip", "netns", "pids", ns], ok_if=_GONE_MARKERS).stdout.split()
+            if pids:
+                warnings.warn(
+                    f"processes {', '.join(pids)} are still inside netns {ns!r}; it lingers "
+                    f"(detached, without its link) until they exit",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        # Deleting the root end destroys both ends of the pair even if the netns lingers.
+        if self._link_exists(h):
+            _run(["ip", "link", "del", h], ok_if=_GONE_MARKERS)
+        if self._netns_exists():
+            _run(["ip", "netns", "del", ns], ok_if=_GONE_MARKERS)
+
+    def _netns_exists(self) -> bool:
+        out = _run(["ip", "netns", "list"]).stdout
+        return any(line.split()[0] == self._name for line in out.splitlines() if line.strip())
+
+    @staticmethod
+    def _link_exists(dev: str) -> bool:
+        proc = _run(["ip", "-o", "link", "show", "dev", dev], ok_if=_GONE_MARKERS)
+        return proc.returncode == 0
+
+    def _check_subnet_free(self) -> None:
+        """Refuse to create if some other interface or route in the root ns claims our subnet."""
+        net = self.subnet
+        addrs = _run(["ip", "-4", "-o", "addr", "show"]).stdout
+        for line in addrs.splitlines():
+            parts = line.split()
+            if "inet" not in parts:
+                continue
+            iface = ipaddress.IPv4Interface(parts[parts.index("inet") + 1])
+            if iface.network.overlaps(net):
+                raise TestbedError(
+                    f"{iface} on {parts[1]} overlaps {net}; pick another subnet_octet"
+                )
+        routes = _run(["ip", "-4", "route", "show"]).stdout
+        for line in routes.splitlines():
+            dst = line.split()[0] if line.strip() else ""
+            if dst in ("default", "") or not dst[0].isdigit():
+                continue
+            try:
+                rnet = ipaddress.IPv4Network(dst, strict=False)
+            except ValueError:
+                continue
+            if rnet.prefixlen > 0 and rnet.overlaps(net):
+                raise TestbedError(f"route `{line.strip()}` overlaps {net}; pick another subnet_octet")
+
+    # ------------------------------------------------------------------ shaping
+
+    def _tc(self, side: str) -> list[str]:
+        return ["tc"] if side == "h" else ["tc", "-n", self._name]
+
+    def set_rate(self, spec: LinkSpec) -> None:
+        """Apply, change or remove shaping on both directions (no recreation, no reconnects)."""
+        if not self._created:
+            raise TestbedError(f"set_rate({spec}) on {self._name!r} before create()")
+        for side, dev in (("h", self.host_device), ("n", self.ns_device)):
+            tc = self._tc(side)
+            if spec.unthrottled:
+                _run([*tc, "qdisc", "del", "dev", dev, "root"], ok_if=_NO_QDISC_MARKERS)
+            elif spec.delay_ms > 0:
+                _run([*tc, "qdisc", "replace", "dev", dev, "root", *self._netem_args(spec)])
+            else:
+                assert spec.rate_mbit is not None
+                burst, limit = _tbf_params(spec.rate_mbit)
+                _run([
+                    *tc, "qdisc", "replace", "dev", dev, "root", "tbf",
+                    "rate", f"{spec.rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit),
+                ])
+        self._spec = spec
+
+    @staticmethod
+    def _netem_args(spec: LinkSpec) -> list[str]:
+        # netem queue limit is in packets: enough for the bandwidth-delay product (plus 100 ms of
+        # queueing) in MTU-sized packets, never below netem's default of 1000.
+        rate_bps = (spec.rate_mbit or 10_000) * 1e6 / 8
+        bdp_pkts = int(rate_bps * (spec.delay_ms / 1000 + 0.1) / 1500) + 1
+        args = ["netem", "delay", f"{spec.delay_ms:g}ms", "limit", str(max(1000, 2 * bdp_pkts))]
+        if spec.rate_mbit is not None:
+            args += ["rate", f"{spec.rate_mbit:g}mbit"]
+        return args
+
+    def qdiscs(self) -> dict[str, str]:
+        """``tc qdisc show`` for each end (for diagnostics and tests)."""
+        return {
+            self.host_device: _run(["tc", "qdisc", "show", "dev", self.host_device]).stdout.strip(),
+            self.ns_device: _run(
+                ["tc", "-n", self._name, "qdisc", "show", "dev", self.ns_device]
+            ).stdout.strip(),
+        }
+
+
+# ---------------------------------------------------------------------- measurement
+
+# Runs inside the netns: accept one connection, read to EOF, print what arrived and how long it
+# took from the first byte to the last (the first chunk is not counted: it left in no time).
+_SINK = r"""
+import json, socket, sys, time
+srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((sys.argv[1], 0))
+srv.listen(1)
+srv.settimeout(float(sys.argv[2]))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.settimeout(float(sys.argv[2]))
+buf = bytearray(1 << 20)
+first = conn.recv_into(buf)
+t0 = time.monotonic()
+t1 = t0
+n = 0
+while True:
+    k = conn.recv_into(buf)
+    if not k:
+        break
+    n += k
+    t1 = time.monotonic()
+conn.close()
+print(json.dumps({"first": first, "bytes": n, "elapsed": t1 - t0}), flush=True)
+"""
+
+
+def _default_nbytes(spec: LinkSpec) -> int:
+    """About 2 s of data at the configured rate, within [256 KiB, 256 MiB]."""
+    if spec.rate_mbit is None:
+        return 256 << 20
+    return int(min(256 << 20, max(256 << 10, spec.rate_mbit * 1e6 / 8 * 2.0)))
+
+
+def measure_mbit(
+    link: ThrottledLink,
+    nbytes: int | None = None,
+    timeout_s: float = 30.0,
+) -> float:
+    """Measured TCP goodput, root namespace -> netns, in Mbit/s (payload bytes, receiver timing).
+
+    ``nbytes`` defaults to ~2 s worth at ``link.spec`` (256 MiB unthrottled), so a 1 Mbit/s link
+    takes ~2 s. Starts a one-shot sink inside the netns (``ip netns exec``), sends from here.
+    """
+    if not link.created:
+        raise TestbedError(f"measure_mbit on {link.netns!r} before create()")
+    if nbytes is None:
+        nbytes = _default_nbytes(link.spec)
+    if nbytes < 64 << 10:
+        raise ValueError(f"nbytes must be >= 64 KiB for a meaningful measurement, got {nbytes}")
+    argv = link.wrap([sys.executable, "-c", _SINK, link.ns_addr, f"{timeout_s:g}"])
+    deadline = time.monotonic() + timeout_s
+    sink = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+    )
+    try:
+        port_line = sink.stdout.readline() if sink.stdout else ""
+        if not port_line.strip().isdigit():
+            sink.kill()
+            _, err = sink.communicate(timeout=5)
+            raise TestbedError(f"sink `{' '.join(argv[:5])} ...` did not start: {err.strip()}")
+        port = int(port_line)
+        chunk = memoryview(bytes(1 << 20))
+        with socket.create_connection(
+            (link.ns_addr, port), timeout=max(1.0, deadline - time.monotonic())
+        ) as s:
+            left = nbytes
+            while left > 0:
+                s.settimeout(max(0.1, deadline - time.monotonic()))
+                k = min(left, len(chunk))
+                s.sendall(chunk[:k])
+                left -= k
+            s.shutdown(socket.SHUT_WR)
+            out, err = sink.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise TestbedError(
+            f"measuring {link.host_addr} -> {link.ns_addr} ({nbytes} bytes, {link.spec}) failed: {e!r}"
+        ) from e
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait(5)
+    if sink.returncode != 0:
+        raise TestbedError(f"sink exited with {sink.returncode}: {err.strip()}")
+    report = json.loads(out.strip().splitlines()[-1])
+    if report["first"] + report["bytes"] != nbytes:
+        raise TestbedError(f"sink received {report['first'] + report['bytes']} of {nbytes} bytes")
+    if report["elapsed"] <= 0:
+        raise TestbedError(f"sink measured no time for {nbytes} bytes: {report}")
+    return report["bytes"] * 8 / report["elapsed"] / 1e6

@@ -1,0 +1,117 @@
+"""Live estimates that feed the routing decision, fitted from what the proxy observes.
+
+- :class:`PrefillFit` — seconds to prefill n new tokens on one engine, least squares (relative
+  error) over the recent (n, seconds) samples on ``[1, n, n^2]`` with non-negative coefficients.
+- :class:`LinkFit` — hand-over seconds for n tokens of KV on one prefill->decode pair:
+  ``fixed + n * slope``; ``bytes_per_s = kv_bytes_per_token / slope``.
+- :class:`TokenRatio` — prompt tokens per character (to size a prompt before tokenizing it).
+
+Estimators are plain objects fed by ``observe``; they read no clock. Until enough samples exist
+they answer with the prior they were built with (start-up probes replace priors quickly).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from transport.cost import LinkModel, PrefillModel
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with coefficients >= 0, by dropping negative terms and refitting."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+class PrefillFit:
+    def __init__(self, prior: PrefillModel, window: int = 64, min_samples: int = 3):
+        self._prior = prior
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._model = prior
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((n_tokens, seconds))
+        self._refit()
+
+    @property
+    def n_samples(self) -> int:
+        return len(self._samples)
+
+    def model(self) -> PrefillModel:
+        return self._model
+
+    def _refit(self) -> None:
+        ns = np.array([s[0] for s in self._samples], dtype=float)
+        if len(self._samples) < self._min_samples or len(np.unique(ns)) < 2:
+            return
+        ys = np.array([s[1] for s in self._samples])
+        # Scale columns so the quadratic term does not swamp the solve.
+        scale = np.array([1.0, 1e-3, 1e-6])
+        x = np.stack([np.ones_like(ns), ns * scale[1], ns * ns * scale[2]], axis=1)
+        # Relative errors matter (a 10 ms miss is large for a short prompt, small for a long
+        # one): weight each row by 1/y.
+        w = 1.0 / ys
+        c = _nonneg_lstsq(x * w[:, None], ys * w) * scale
+        per_token = c[1]
+        if per_token <= 0:  # all growth explained by the quadratic term: keep a tiny linear term
+            per_token = max(1e-7, float(np.mean(ys / ns)) * 1e-3)
+        self._model = PrefillModel(fixed_s=float(c[0]), tokens_per_s=1.0 / per_token,
+                                   quad_s=float(c[2]))
+
+
+class LinkFit:
+    def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 64,
+                 min_samples: int = 3):
+        self._prior = prior
+        self._kvb = kv_bytes_per_token
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._model = prior
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((n_tokens, seconds))
+        ns = np.array([s[0] for s in self._samples], dtype=float)
+        if len(self._samples) < self._min_samples or len(np.unique(ns)) < 2:
+            return
+        ys = np.array([s[1] for s in self._samples])
+        x = np.stack([np.ones_like(ns), ns * 1e-3], axis=1)
+        fixed, slope = _nonneg_lstsq(x, ys) * np.array([1.0, 1e-3])
+        slope = max(slope, 1e-12)
+        self._model = LinkModel(fixed_s=float(fixed), bytes_per_s=self._kvb / slope)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self._samples)
+
+    def model(self) -> LinkModel:
+        return self._model
+
+
+class TokenRatio:
+    """Exponentially weighted tokens-per-character of observed prompts."""
+
+    def __init__(self, prior: float = 0.25, weight: float = 0.1):
+        self.value = prior
+        self._weight = weight
+
+    def observe(self, chars: int, tokens: int) -> None:
+        if chars > 0 and tokens > 0:
+            self.value += self._weight * (tokens / chars - self.value)
+
+    def tokens(self, chars: int) -> int:
+        return int(round(chars * self.value))

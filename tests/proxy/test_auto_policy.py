@@ -1,0 +1,109 @@
+"""The auto policy and the estimators that feed it, on recorded samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proxy.costs import RouteCosts
+from proxy.estimators import LinkFit, PrefillFit, TokenRatio
+from proxy.policy import CostInputs, RouteInputs, decide, parse_policy, predict
+from transport.cost import LinkModel, PrefillModel
+
+AUTO = parse_policy("auto")
+FAST = PrefillModel(fixed_s=0.01, tokens_per_s=4000.0)
+SLOW = PrefillModel(fixed_s=0.01, tokens_per_s=500.0)
+KVB = 4096
+
+
+def costs(link_mb_s: float, remote=FAST, local=FAST, pq=0.0, dq=0.0) -> CostInputs:
+    return CostInputs(KVB, remote, local, LinkModel(0.02, link_mb_s * 1e6), pq, dq)
+
+
+@pytest.mark.parametrize(
+    "n,c,want_route,want_reason",
+    [
+        # Same engines, idle: moving KV only adds cost.
+        (1000, costs(1000), "local", "recompute_cheaper"),
+        # Decode is slow at prompts (busy), link fast: transfer wins.
+        (2000, costs(1000, local=SLOW), "disaggregated", "transfer_cheaper"),
+        # ... unless the link is slow (1 MB/s: 8 s for 2000 tokens of 4 KiB).
+        (2000, costs(1, local=SLOW), "local", "recompute_cheaper"),
+        # Prefill side congested by a queue of long prompts.
+        (200, costs(1000, local=SLOW, pq=5.0), "local", "prefill_congested"),
+    ],
+)
+def test_auto_decisions(n, c, want_route, want_reason):
+    d = decide(AUTO, RouteInputs(prompt_tokens=n, costs=c))
+    assert (d.route, d.reason) == (want_route, want_reason)
+    assert d.predicted_disaggregated_s is not None and d.predicted_local_s is not None
+
+
+def test_auto_prefers_local_when_decode_has_the_prefix():
+    d = decide(AUTO, RouteInputs(prompt_tokens=500, decode_cached_tokens=500,
+                                 costs=costs(1000, local=SLOW)))
+    assert (d.route, d.reason) == ("local", "cached_on_decode")
+
+
+def test_auto_counts_prefix_cached_on_prefill():
+    # Prefill has 1900 of 2000 tokens cached: remote side almost free, transfer of 2000 at
+    # 100 MB/s = 82 ms vs 2000/500 = 4 s local.
+    inp = RouteInputs(prompt_tokens=2000, prefill_cached_tokens=1900,
+                      costs=costs(100, remote=SLOW, local=SLOW))
+    disagg, local = predict(inp, inp.costs)
+    assert disagg < 0.5 < local
+    assert decide(AUTO, inp).route == "disaggregated"
+
+
+def test_auto_without_prefill_is_local_and_without_model_disaggregates():
+    assert decide(AUTO, RouteInputs(100, prefill_available=False, costs=costs(1))).route == "local"
+    assert decide(AUTO, RouteInputs(100)).reason == "no_cost_model"
+
+
+def test_prefill_fit_recovers_model_from_noisy_samples():
+    truth = PrefillModel(fixed_s=0.03, tokens_per_s=2500.0, quad_s=2e-8)
+    fit = PrefillFit(PrefillModel(1.0, 10.0))
+    rng = random.Random(0)
+    for _ in range(60):
+        n = rng.randint(50, 3000)
+        fit.observe(n, truth.seconds(n) * rng.uniform(0.95, 1.05))
+    m = fit.model()
+    for n in (100, 1000, 3000):
+        assert m.seconds(n) == pytest.approx(truth.seconds(n), rel=0.1)
+
+
+def test_prefill_fit_keeps_prior_until_enough_distinct_samples():
+    prior = PrefillModel(0.5, 100.0)
+    fit = PrefillFit(prior)
+    fit.observe(100, 0.1)
+    fit.observe(100, 0.1)
+    fit.observe(100, 0.1)
+    assert fit.model() == prior
+
+
+def test_link_fit_recovers_bandwidth_and_fixed_cost():
+    fit = LinkFit(LinkModel(1.0, 1.0), kv_bytes_per_token=KVB)
+    for n in (100, 500, 1000, 2000, 3000):
+        fit.observe(n, 0.04 + n * KVB / 12e6)
+    m = fit.model()
+    assert m.fixed_s == pytest.approx(0.04, abs=1e-3)
+    assert m.bytes_per_s == pytest.approx(12e6, rel=0.01)
+
+
+def test_token_ratio_converges():
+    r = TokenRatio(prior=0.25)
+    for _ in range(100):
+        r.observe(1000, 180)
+    assert r.tokens(1000) == pytest.approx(180, abs=2)
+
+
+def test_route_costs_queue_accounting():
+    rc = RouteCosts(KVB)
+    assert rc.begin("p", 1000) is True
+    assert rc.begin("p", 500) is False
+    assert rc.inputs("p", "d").prefill_queue_s > 0
+    rc.end("p", 1000)
+    rc.end("p", 500)
+    assert rc.queued_tokens("p") == 0
+    assert rc.inputs("p", "d").prefill_queue_s == 0

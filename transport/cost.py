@@ -1,0 +1,82 @@
+"""The load-or-recompute cost model: predicted time to first token on each route.
+
+    disaggregated = prefill queue + prefill(uncached on prefill) + hand-over(tokens moved)
+    local         = decode queue  + local prefill(uncached on decode)
+
+``prefill(n)`` and ``local prefill(n)`` are fitted per engine from observed prefills (latency
+grows faster than linearly with n: attention is quadratic); ``hand-over(n)`` = link fixed cost +
+n x KV bytes per token / link bandwidth, fitted from observed hand-overs. This module holds the
+pure formulas; the fitted numbers come from ``proxy/estimators.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Seconds to prefill ``n`` new tokens: ``fixed_s + n / tokens_per_s + quad_s * n^2``."""
+
+    fixed_s: float
+    tokens_per_s: float
+    quad_s: float = 0.0
+
+    def seconds(self, n_tokens: int) -> float:
+        if n_tokens <= 0:
+            return 0.0
+        return self.fixed_s + n_tokens / self.tokens_per_s + self.quad_s * n_tokens * n_tokens
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Seconds to hand ``n`` tokens of KV from prefill to decode: ``fixed_s + bytes / bandwidth``.
+
+    ``fixed_s`` covers everything per request that does not scale with size (the NIXL
+    notification, engine-step alignment, the decode request itself and its first step).
+    """
+
+    fixed_s: float
+    bytes_per_s: float
+
+    def seconds(self, n_tokens: int, kv_bytes_per_token: int) -> float:
+        return self.fixed_s + n_tokens * kv_bytes_per_token / self.bytes_per_s
+
+
+def breakeven_bytes_per_s(kv_bytes_per_token: int, prefill_tokens_per_s: float) -> float:
+    """Link bandwidth at which moving a token's KV costs as much as recomputing it."""
+    return kv_bytes_per_token * prefill_tokens_per_s
+
+
+def crossover_tokens(
+    kv_bytes_per_token: int,
+    link: LinkModel,
+    remote_prefill: PrefillModel,
+    local_prefill: PrefillModel,
+    max_tokens: int = 1_000_000,
+) -> int | None:
+    """Smallest prompt length at which disaggregating (remote prefill + transfer) beats a local
+    prefill, with idle queues; None if it never does up to ``max_tokens``.
+
+    Searches by doubling then bisection: the cost difference is monotone once transfer wins when
+    both prefill models share a shape, and near-monotone otherwise (good enough for planning).
+    """
+
+    def disagg_wins(n: int) -> bool:
+        return remote_prefill.seconds(n) + link.seconds(n, kv_bytes_per_token) < (
+            local_prefill.seconds(n)
+        )
+
+    hi = 1
+    while not disagg_wins(hi):
+        hi *= 2
+        if hi > max_tokens:
+            return None
+    lo = hi // 2
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if disagg_wins(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
