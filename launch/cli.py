@@ -22,9 +22,21 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-base-port", type=int, default=8100,
                    help="prefill engine on this port, decode on the next")
     p.add_argument("--side-channel-base-port", type=int, default=5600)
-    p.add_argument("--policy", default="disaggregate",
-                   help="disaggregate | local | threshold:N")
+    p.add_argument("--policy", default="auto",
+                   help="auto (live cost model) | disaggregate | local | threshold:N")
+    p.add_argument("--probe-tokens", default="64,256,1024",
+                   help="prompt lengths of the start-up probes that seed the cost model "
+                        "('' for none)")
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--kv-events-base-port", type=int, default=5700)
+    p.add_argument("--reprobe-s", type=float, default=30.0,
+                   help="re-measure a prefill->decode link after this long without a "
+                        "hand-over (0 = never)")
+    p.add_argument("--engine-dev-endpoints", action="store_true",
+                   help="expose vLLM's dev endpoints on the engines (testbeds/benchmarks)")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="testbed: prefill engine in its own network namespace behind a veth "
+                        "link throttled to this rate (0 = unthrottled); needs root")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lease-s", type=int, default=30)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -52,12 +64,17 @@ def _run_dev(args: argparse.Namespace) -> int:
         engine_base_port=args.engine_base_port,
         side_channel_base_port=args.side_channel_base_port,
         policy=args.policy,
+        probe_tokens=tuple(int(x) for x in args.probe_tokens.split(",") if x.strip()),
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout_s,
         lease_s=args.lease_s,
+        kv_events_base_port=args.kv_events_base_port,
+        link_mbit=args.link_mbit,
+        reprobe_s=args.reprobe_s,
+        engine_dev_endpoints=args.engine_dev_endpoints,
     )
     return run_dev(opts)
 

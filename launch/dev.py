@@ -23,7 +23,9 @@ from launch.processes import (
     stop_engines,
     wait_ready,
 )
+from launch.testbed import LinkSpec, ThrottledLink
 from transport.connector import ConnectorOptions
+from transport.kv_size import kv_bytes_per_token_for_model
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +38,24 @@ class DevOptions:
     host: str = "127.0.0.1"
     engine_base_port: int = 8100
     side_channel_base_port: int = 5600
-    policy: str = "disaggregate"
+    policy: str = "auto"
+    probe_tokens: tuple[int, ...] = (64, 256, 1024)
     kv_cache_gib: float = 2.0
     max_model_len: int = 4096
     api_key: str | None = None
     log_dir: Path = Path(".pdserve/logs")
     start_timeout_s: float = 600.0
     lease_s: int = 30
+    kv_events_base_port: int = 5700
+    #: Put the prefill engine in its own network namespace behind a veth link throttled to this
+    #: many Mbit/s (0 = a separate namespace, unthrottled); None = plain loopback.
+    link_mbit: float | None = None
+    reprobe_s: float = 30.0
+    engine_dev_endpoints: bool = False
 
 
-def engine_specs(opts: DevOptions) -> tuple[EngineSpec, EngineSpec]:
+def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
+                 ) -> tuple[EngineSpec, EngineSpec]:
     device = detect_device()
     base = EngineSpec(
         role="prefill",
@@ -58,6 +68,8 @@ def engine_specs(opts: DevOptions) -> tuple[EngineSpec, EngineSpec]:
         dtype=default_dtype(device),
         max_model_len=opts.max_model_len,
         connector=ConnectorOptions(lease_s=opts.lease_s),
+        kv_events_port=opts.kv_events_base_port,
+        dev_endpoints=opts.engine_dev_endpoints,
     )
     cores = (os.cpu_count() or 1) >= 2 and device == "cpu"
     prefill = replace(base, cpu_cores="0" if cores else None)
@@ -66,9 +78,21 @@ def engine_specs(opts: DevOptions) -> tuple[EngineSpec, EngineSpec]:
         role="decode",
         port=opts.engine_base_port + 1,
         side_channel_port=opts.side_channel_base_port + 1,
+        kv_events_port=opts.kv_events_base_port + 1,
         cpu_cores="1" if cores else None,
     )
+    if link is not None:  # prefill behind the throttled veth; KV crosses it
+        prefill = replace(prefill, host=link.ns_addr, netns=link.netns,
+                          ucx_device=link.ns_device)
+        decode = replace(decode, ucx_device=link.host_device)
     return prefill, decode
+
+
+def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
+    """KV bytes per token of a local model dir (KV cache dtype = model dtype); None for hub ids."""
+    if not os.path.isdir(model):
+        return None
+    return kv_bytes_per_token_for_model(model, dtype)
 
 
 class Progress:
@@ -101,19 +125,26 @@ def run_dev(opts: DevOptions) -> int:
 
     # SIGTERM must unwind like Ctrl-C so the engines are stopped, never orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    prefill_spec, decode_spec = engine_specs(opts)
     check_ports_free(
         [
             ("proxy", opts.port),
-            ("prefill engine", prefill_spec.port),
-            ("decode engine", decode_spec.port),
-            ("prefill NIXL side channel", prefill_spec.side_channel_port),
-            ("decode NIXL side channel", decode_spec.side_channel_port),
+            ("prefill engine", opts.engine_base_port),
+            ("decode engine", opts.engine_base_port + 1),
+            ("prefill NIXL side channel", opts.side_channel_base_port),
+            ("decode NIXL side channel", opts.side_channel_base_port + 1),
+            ("prefill KV events", opts.kv_events_base_port),
+            ("decode KV events", opts.kv_events_base_port + 1),
         ]
     )
     log_dir = opts.log_dir
     engines: list[EngineProcess] = []
+    link: ThrottledLink | None = None
     try:
+        if opts.link_mbit is not None:
+            link = ThrottledLink().create()
+            link.set_rate(LinkSpec(rate_mbit=opts.link_mbit or None))
+            print(f"throttled link: {link}", file=sys.stderr)
+        prefill_spec, decode_spec = engine_specs(opts, link)
         for spec in (prefill_spec, decode_spec):
             engines.append(start_engine(spec, log_dir))
         _write_run_file(log_dir, opts, engines)
@@ -125,6 +156,12 @@ def run_dev(opts: DevOptions) -> int:
             served_model_names=(opts.served_model_name,),
             policy=opts.policy,
             api_key=opts.api_key,
+            kv_bytes_per_token=model_kv_bytes_per_token(opts.model_path, prefill_spec.dtype),
+            probe_tokens=opts.probe_tokens,
+            reprobe_s=opts.reprobe_s,
+            prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),
+            decode_kv_events=(decode_spec.kv_events_endpoint or "",),
+            tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
         )
         url = f"http://{opts.host}:{opts.port}"
         auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.api_key else ""
@@ -150,6 +187,8 @@ def run_dev(opts: DevOptions) -> int:
         print("stopping engines ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         stop_engines(engines)
+        if link is not None:
+            link.destroy()
         print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 import decode.role
 import prefill.role
 from transport.connector import ConnectorOptions, Role, kv_transfer_config_json
+from transport.kv_events import kv_events_config
 
 Device = Literal["cpu", "cuda"]
 
@@ -35,11 +36,23 @@ class EngineSpec:
     dtype: str = "auto"
     max_model_len: int = 4096
     connector: ConnectorOptions = field(default_factory=ConnectorOptions)
+    #: Publish KV cache events (ZMQ) on this port, for the proxy's prefix index.
+    kv_events_port: int | None = None
+    #: Run inside this network namespace (the throttled-link testbed).
+    netns: str | None = None
+    #: The interface UCX moves KV over (loopback by default for a 127.x host).
+    ucx_device: str | None = None
+    #: Expose vLLM's dev endpoints (/reset_prefix_cache, ...): testbeds and benchmarks only.
+    dev_endpoints: bool = False
     extra_args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
 
 
 def detect_device() -> Device:
@@ -83,7 +96,12 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     ]
     if spec.device == "cuda":
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    return argv + list(spec.extra_args)
+    if spec.kv_events_port is not None:
+        argv += ["--kv-events-config", kv_events_config(spec.kv_events_port)]
+    argv += list(spec.extra_args)
+    if spec.netns is not None:
+        argv = ["ip", "netns", "exec", spec.netns, *argv]
+    return argv
 
 
 def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -100,8 +118,12 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
     )
     if os.path.isdir(spec.model):  # a local model never needs the hub
         env.setdefault("HF_HUB_OFFLINE", "1")
-    if spec.host.startswith("127.") or spec.host == "localhost":
+    if spec.ucx_device is not None:
+        env["UCX_NET_DEVICES"] = spec.ucx_device
+    elif spec.host.startswith("127.") or spec.host == "localhost":
         env.setdefault("UCX_NET_DEVICES", "lo")
+    if spec.dev_endpoints:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
         env["KMP_BLOCKTIME"] = "0"

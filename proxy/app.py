@@ -31,8 +31,12 @@ from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
 from proxy.pool import EnginePool
 from proxy.requests import ApiRequest, Endpoint, check_content_type, check_request, parse_body
+import zmq.asyncio
+
 from proxy.costs import RouteCosts
-from proxy.warmup import probe_routes, warm_up_pairs
+from proxy.kv_event_feed import run_feed
+from proxy.tokens import PromptTokenizer
+from proxy.warmup import probe_routes, reprobe_links, warm_up_pairs
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ class ProxyState:
         self.pool: EnginePool | None = None
         self.orchestrator: Orchestrator | None = None
         self._tasks: list[asyncio.Task] = []
+        self._zmq: zmq.asyncio.Context | None = None
 
     async def start(self) -> None:
         self.session = new_session()
@@ -56,23 +61,41 @@ class ProxyState:
             [mk("prefill", i, u) for i, u in enumerate(self.config.prefill_urls)],
             [mk("decode", i, u) for i, u in enumerate(self.config.decode_urls)],
             self.metrics,
+            prefill_events=self.config.prefill_kv_events,
+            decode_events=self.config.decode_kv_events,
         )
+        tokenizer = None
+        if self.config.tokenizer and parse_policy(self.config.policy).kind in ("auto", "threshold"):
+            tokenizer = await asyncio.to_thread(PromptTokenizer, self.config.tokenizer)
+        self._zmq = zmq.asyncio.Context()
+        for engine in self.pool.all():
+            if engine.events_endpoint:
+                self._tasks.append(asyncio.create_task(
+                    run_feed(engine.events_endpoint, engine.index, self._zmq)))
         self.costs = RouteCosts(self.config.kv_bytes_per_token or 1)
         self.orchestrator = Orchestrator(
             self.pool, parse_policy(self.config.policy), self.config.deadlines(), self.metrics,
-            self.costs,
+            self.costs, tokenizer,
         )
         await self.pool.probe_all()
-        self._tasks.append(asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
+        self._tasks.append(
+            asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s))
+        )
         if not self.warmed:
             self._tasks.append(asyncio.create_task(self._warm_up()))
 
     async def _warm_up(self) -> None:
+        """Handshake every pair, seed the cost model, report ready, then keep links measured."""
         assert self.orchestrator is not None
-        await warm_up_pairs(self.pool, self.config.served_model_names[0])
-        await probe_routes(self.orchestrator, self.config.served_model_names[0],
-                           self.config.probe_tokens)
-        self.warmed = True  # tried once; failures are logged, later requests still work
+        model = self.config.served_model_names[0]
+        try:
+            await warm_up_pairs(self.pool, model)
+            await probe_routes(self.orchestrator, model, self.config.probe_tokens)
+        finally:
+            self.warmed = True  # failures are logged; requests are served either way
+        if self.config.reprobe_s > 0 and self.config.probe_tokens:
+            await reprobe_links(self.orchestrator, model, max(self.config.probe_tokens),
+                                self.config.reprobe_s)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -82,6 +105,8 @@ class ProxyState:
                 await task
         if self.session is not None:
             await self.session.close()
+        if self._zmq is not None:
+            self._zmq.term()
 
     @property
     def ready(self) -> bool:
@@ -193,7 +218,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 check_auth(request)
             except ProxyError as err:
                 return _error_response(err)
-        return Response(_dumps(state.costs.describe()), media_type="application/json")
+        view = state.costs.describe()
+        view["engines"] = {
+            e.name: {"role": e.role, "healthy": e.healthy, "inflight": e.inflight,
+                     "engine_requests": e.engine_requests,
+                     "mean_prompt_tokens": e.mean_prompt_tokens,
+                     "cached_blocks": len(e.index), "block_size": e.index.block_size}
+            for e in (state.pool.all() if state.pool else [])
+        }
+        return Response(_dumps(view), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

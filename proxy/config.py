@@ -14,12 +14,21 @@ class ProxyConfig(BaseModel):
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...] = Field(min_length=1)
     served_model_names: tuple[str, ...] = Field(min_length=1)
+    #: ZMQ endpoints of each engine's KV events (aligned with the urls; empty = not published).
+    prefill_kv_events: tuple[str, ...] = ()
+    decode_kv_events: tuple[str, ...] = ()
+    #: A local model/tokenizer directory: lets the proxy size prompts exactly and look them up
+    #: in the engines' prefix indexes before routing.
+    tokenizer: str | None = None
     policy: str = "auto"
     #: KV bytes one prompt token moves over the link (``transport.kv_size``); needed by ``auto``.
     kv_bytes_per_token: int | None = Field(default=None, gt=0)
     #: Prompt lengths (tokens, approximate) of the start-up probes that seed the cost model,
     #: each sent once per route and pair. Empty = no probes (priors until traffic teaches).
     probe_tokens: tuple[int, ...] = (64, 256, 1024)
+    #: Re-measure a pair's link with one disaggregated probe when it saw no hand-over for this
+    #: long (0 = never).
+    reprobe_s: float = Field(default=30.0, ge=0)
     api_key: str | None = None
     #: When False, /health and /metrics also require the API key.
     public_health: bool = True
@@ -43,6 +52,10 @@ class ProxyConfig(BaseModel):
     def _check_cross_fields(self) -> "ProxyConfig":
         if self.total_deadline_s < self.first_byte_deadline_s:
             raise ValueError("total_deadline_s must be >= first_byte_deadline_s")
+        if len(self.prefill_kv_events) not in (0, len(self.prefill_urls)) or len(
+            self.decode_kv_events
+        ) not in (0, len(self.decode_urls)):
+            raise ValueError("kv event endpoints must match the engine urls one to one")
         if self.policy == "auto" and self.kv_bytes_per_token is None:
             raise ValueError("policy 'auto' needs kv_bytes_per_token (from the model config)")
         return self

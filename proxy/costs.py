@@ -30,22 +30,39 @@ class RouteCosts:
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
         self._queued_tokens: dict[str, int] = defaultdict(int)
+        #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
+        self.typical_prompt_tokens = 512
 
     # -- snapshot for the decision -------------------------------------------------------------
-    def inputs(self, prefill: str | None, decode: str) -> CostInputs:
+    def inputs(self, prefill: str | None, decode: str, prefill_foreign_requests: int = 0,
+               decode_foreign_requests: int = 0, prefill_mean_prompt_tokens: float | None = None,
+               ) -> CostInputs:
+        """Snapshot for one decision. ``*_foreign_requests``: requests the engine reports
+        running or waiting beyond this proxy's own (other clients, other proxies); each is
+        costed as a prompt of the engine's recent mean size (or the typical size seen here)."""
         local = self._local[decode].model()
+        typical = self.typical_prompt_tokens
+        decode_queue_s = local.seconds(self._queued_tokens[decode]) + (
+            decode_foreign_requests * local.seconds(typical)
+        )
+        foreign_size = int(prefill_mean_prompt_tokens or typical)
         if prefill is None:
             return CostInputs(self.kv_bytes_per_token, PREFILL_PRIOR, local, LINK_PRIOR,
-                              decode_queue_s=local.seconds(self._queued_tokens[decode]))
+                              decode_queue_s=decode_queue_s)
         remote = self._remote[prefill].model()
         return CostInputs(
             kv_bytes_per_token=self.kv_bytes_per_token,
             remote_prefill=remote,
             local_prefill=local,
             link=self._links[(prefill, decode)].model(),
-            prefill_queue_s=remote.seconds(self._queued_tokens[prefill]),
-            decode_queue_s=local.seconds(self._queued_tokens[decode]),
+            prefill_queue_s=remote.seconds(self._queued_tokens[prefill])
+            + prefill_foreign_requests * remote.seconds(foreign_size),
+            decode_queue_s=decode_queue_s,
         )
+
+    def link_samples(self, prefill: str, decode: str) -> int:
+        """How many hand-overs this pair has measured so far (grows with every one)."""
+        return self._links[(prefill, decode)].last_observed_index
 
     # -- queued work ---------------------------------------------------------------------------
     def queued_tokens(self, engine: str) -> int:
@@ -72,6 +89,7 @@ class RouteCosts:
 
     def observe_prompt(self, chars: int, tokens: int) -> None:
         self.token_ratio.observe(chars, tokens)
+        self.typical_prompt_tokens = int(0.9 * self.typical_prompt_tokens + 0.1 * tokens)
 
     def describe(self) -> dict[str, object]:
         """Current fits, for /debug/costs and benchmarks."""

@@ -4,6 +4,9 @@
   error) over the recent (n, seconds) samples on ``[1, n, n^2]`` with non-negative coefficients.
 - :class:`LinkFit` — hand-over seconds for n tokens of KV on one prefill->decode pair:
   ``fixed + n * slope``; ``bytes_per_s = kv_bytes_per_token / slope``.
+
+Both weight recent samples more (a half-life in samples; links change fastest), so a link that
+slows down is followed within a few hand-overs.
 - :class:`TokenRatio` — prompt tokens per character (to size a prompt before tokenizing it).
 
 Estimators are plain objects fed by ``observe``; they read no clock. Until enough samples exist
@@ -17,6 +20,13 @@ from collections import deque
 import numpy as np
 
 from transport.cost import LinkModel, PrefillModel
+
+
+def _recency_weights(n: int, half_life: float) -> np.ndarray:
+    """Weight 1 for the newest sample, halving every ``half_life`` samples back: a link or an
+    engine whose speed changes is followed within a few requests."""
+    age = np.arange(n - 1, -1, -1, dtype=float)
+    return 0.5 ** (age / half_life)
 
 
 def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -34,7 +44,9 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class PrefillFit:
-    def __init__(self, prior: PrefillModel, window: int = 64, min_samples: int = 3):
+    def __init__(self, prior: PrefillModel, window: int = 64, min_samples: int = 3,
+                 half_life: float = 16.0):
+        self._half_life = half_life
         self._prior = prior
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._min_samples = min_samples
@@ -63,7 +75,7 @@ class PrefillFit:
         x = np.stack([np.ones_like(ns), ns * scale[1], ns * ns * scale[2]], axis=1)
         # Relative errors matter (a 10 ms miss is large for a short prompt, small for a long
         # one): weight each row by 1/y.
-        w = 1.0 / ys
+        w = _recency_weights(len(ys), self._half_life) / ys
         c = _nonneg_lstsq(x * w[:, None], ys * w) * scale
         per_token = c[1]
         if per_token <= 0:  # all growth explained by the quadratic term: keep a tiny linear term
@@ -73,10 +85,12 @@ class PrefillFit:
 
 
 class LinkFit:
-    def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 64,
-                 min_samples: int = 3):
+    def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 32,
+                 min_samples: int = 3, half_life: float = 4.0):
+        self._half_life = half_life
         self._prior = prior
         self._kvb = kv_bytes_per_token
+        self.last_observed_index = 0  # bumps on every sample (the re-probe loop watches it)
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._min_samples = min_samples
         self._model = prior
@@ -85,12 +99,14 @@ class LinkFit:
         if n_tokens <= 0 or seconds <= 0:
             return
         self._samples.append((n_tokens, seconds))
+        self.last_observed_index += 1
         ns = np.array([s[0] for s in self._samples], dtype=float)
         if len(self._samples) < self._min_samples or len(np.unique(ns)) < 2:
             return
         ys = np.array([s[1] for s in self._samples])
         x = np.stack([np.ones_like(ns), ns * 1e-3], axis=1)
-        fixed, slope = _nonneg_lstsq(x, ys) * np.array([1.0, 1e-3])
+        w = _recency_weights(len(ys), self._half_life)
+        fixed, slope = _nonneg_lstsq(x * w[:, None], ys * w) * np.array([1.0, 1e-3])
         slope = max(slope, 1e-12)
         self._model = LinkModel(fixed_s=float(fixed), bytes_per_s=self._kvb / slope)
 

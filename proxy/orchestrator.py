@@ -34,6 +34,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.policy import Decision, PolicyMode, RouteInputs, decide
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
+from proxy.tokens import PromptTokenizer
 from transport import kv_params
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class _Trace:
     t_decode_sent: float = 0.0
     decode_was_idle: bool = False
     queued_tokens: int = 0
+    decode_cached_tokens: int = 0
+
+    @property
+    def decode_new_tokens(self) -> int:
+        """Prompt tokens the decode engine must load or compute (not in its own cache)."""
+        return max(0, self.prompt_tokens_est - self.decode_cached_tokens)
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
@@ -107,15 +114,20 @@ class Orchestrator:
         deadlines: Deadlines,
         metrics: ProxyMetrics,
         costs: RouteCosts,
+        tokenizer: PromptTokenizer | None = None,
     ):
         self.pool = pool
         self.policy = policy
         self.deadlines = deadlines
         self.metrics = metrics
         self.costs = costs
+        self.tokenizer = tokenizer
 
-    async def serve(self, req: ApiRequest) -> Reply | Stream:
-        trace = self._plan(req)
+    async def serve(
+        self, req: ApiRequest, prefill: Engine | None = None, decode: Engine | None = None
+    ) -> Reply | Stream:
+        """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else least loaded."""
+        trace = self._plan(req, prefill, decode)
         if trace.decision.route == "disaggregated" and trace.prefill is not None:
             trace.handoff = await self._prefill_or_fallback(trace, req)
         trace.route = "disaggregated" if trace.handoff is not None else "local"
@@ -127,7 +139,7 @@ class Orchestrator:
                 trace.t_handoff - trace.t_start
             )
         else:  # the decode engine computes the prompt: that is queued prompt work on it
-            trace.queued_tokens = trace.prompt_tokens_est
+            trace.queued_tokens = trace.decode_new_tokens
             trace.decode_was_idle = self.costs.begin(trace.decode.name, trace.queued_tokens)
         out_headers = {"x-request-id": req.request_id, "x-pd-route": trace.route}
         if (estimate := estimate_header(trace.decision)) is not None:
@@ -144,24 +156,33 @@ class Orchestrator:
         return Stream(trace.route, self._relay(stream, trace), out_headers)
 
     # -- planning ------------------------------------------------------------------------------
-    def _plan(self, req: ApiRequest) -> _Trace:
+    def _plan(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None) -> _Trace:
         t_start = time.perf_counter()
-        decode = self.pool.pick_decode()
+        decode = decode or self.pool.pick_decode()
         if decode is None:
             raise NoEngineAvailable("no decode engine is available")
-        prefill = self.pool.pick_prefill()
+        prefill = prefill or self.pool.pick_prefill()
         chars = prompt_chars(req.body)
-        tokens = self.costs.token_ratio.tokens(chars)
-        costs = self.costs.inputs(prefill.name if prefill else None, decode.name)
+        ids = self.tokenizer.ids(req.body) if self.tokenizer is not None else None
+        tokens = len(ids) if ids is not None else self.costs.token_ratio.tokens(chars)
+        prefill_cached = prefill.index.cached_tokens(ids) if prefill and ids else 0
+        decode_cached = decode.index.cached_tokens(ids) if ids else 0
+        costs = self.costs.inputs(
+            prefill.name if prefill else None, decode.name,
+            prefill.foreign_requests if prefill else 0, decode.foreign_requests,
+            prefill.mean_prompt_tokens if prefill else None,
+        )
         decision = decide(
             self.policy,
-            RouteInputs(prompt_tokens=tokens, prefill_available=prefill is not None,
-                        costs=costs),
+            RouteInputs(prompt_tokens=tokens, prefill_cached_tokens=prefill_cached,
+                        decode_cached_tokens=decode_cached,
+                        prefill_available=prefill is not None, costs=costs),
         )
         if req.force_route is not None and (req.force_route == "local" or prefill is not None):
             decision = replace(decision, route=req.force_route, reason="forced")
         self.metrics.decisions_total.labels(decision.route, decision.reason).inc()
-        return _Trace(decision, prefill, decode, chars, tokens, t_start)
+        return _Trace(decision, prefill, decode, chars, tokens, t_start,
+                      decode_cached_tokens=decode_cached)
 
     # -- prefill leg ---------------------------------------------------------------------------
     async def _prefill_or_fallback(
@@ -265,10 +286,10 @@ class Orchestrator:
         if trace.handoff is not None and trace.prefill is not None:
             handover = now - trace.t_handoff
             self.metrics.stage_seconds.labels("handover", trace.route).observe(handover)
-            self.costs.observe_handover(trace.prefill.name, trace.decode.name,
-                                        len(trace.handoff.prompt_token_ids), handover)
+            moved = len(trace.handoff.prompt_token_ids) - trace.decode_cached_tokens
+            self.costs.observe_handover(trace.prefill.name, trace.decode.name, moved, handover)
         elif trace.decode_was_idle:
-            self.costs.observe_local_prefill(trace.decode.name, trace.prompt_tokens_est,
+            self.costs.observe_local_prefill(trace.decode.name, trace.decode_new_tokens,
                                              now - trace.t_decode_sent)
 
     async def _relay(self, stream: EngineStream, trace: _Trace) -> AsyncIterator[bytes]:

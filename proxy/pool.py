@@ -16,6 +16,8 @@ from typing import Literal
 
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
+from proxy.prefix_index import PrefixIndex
+from transport.kv_events import AllCleared
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
@@ -28,6 +30,32 @@ class Engine:
     healthy: bool = False
     inflight: int = 0
     consecutive_failures: int = field(default=0)
+    #: What this engine has cached (fed by its KV events; empty without them).
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    events_endpoint: str | None = None
+    #: Requests the engine itself reports running + waiting (from its /metrics, each probe).
+    engine_requests: int = 0
+    #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.
+    mean_prompt_tokens: float | None = None
+    _totals: tuple[float, float] | None = None  # (prompt tokens, finished requests) last probe
+
+    def update_load(self, metrics_text: str) -> None:
+        load = parse_engine_load(metrics_text)
+        self.engine_requests = int(load["vllm:num_requests_running"]
+                                   + load["vllm:num_requests_waiting"])
+        totals = (load["vllm:prompt_tokens_total"], load["vllm:request_success_total"])
+        if self._totals is not None:
+            d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
+            if d_requests > 0 and d_tokens >= 0:
+                mean = d_tokens / d_requests
+                self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
+                    0.7 * self.mean_prompt_tokens + 0.3 * mean)
+        self._totals = totals
+
+    @property
+    def foreign_requests(self) -> int:
+        """Requests on the engine that this proxy did not send (other clients or proxies)."""
+        return max(0, self.engine_requests - self.inflight)
 
     @property
     def name(self) -> str:
@@ -41,9 +69,14 @@ class EnginePool:
         decode: Sequence[EngineClient],
         metrics: ProxyMetrics,
         health_timeout_s: float = 2.0,
+        prefill_events: Sequence[str] = (),
+        decode_events: Sequence[str] = (),
     ):
         self.prefill = [Engine("prefill", c) for c in prefill]
         self.decode = [Engine("decode", c) for c in decode]
+        for engines, endpoints in ((self.prefill, prefill_events), (self.decode, decode_events)):
+            for engine, endpoint in zip(engines, endpoints):
+                engine.events_endpoint = endpoint or None
         self._metrics = metrics
         self._health_timeout_s = health_timeout_s
 
@@ -74,6 +107,8 @@ class EnginePool:
         if engine.healthy:
             log.warning("engine %s (%s) marked down", engine.name, engine.role)
         self._set_health(engine, False)
+        # A restarted engine comes back with an empty cache.
+        engine.index.apply([AllCleared()])
 
     def _set_health(self, engine: Engine, healthy: bool) -> None:
         if healthy and not engine.healthy:
@@ -83,9 +118,14 @@ class EnginePool:
         self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
 
     async def probe(self, engine: Engine) -> bool:
+        """Health check, then the engine's own load (running + waiting requests)."""
         try:
             status, _ = await engine.client.get_text("/health", self._health_timeout_s)
             ok = status == 200
+            if ok:
+                status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
+                if status == 200:
+                    engine.update_load(text)
         except (EngineUnreachable, EngineTimeout):
             ok = False
         self._set_health(engine, ok)
@@ -98,6 +138,29 @@ class EnginePool:
         while True:
             await self.probe_all()
             await asyncio.sleep(interval_s)
+
+
+_LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                "vllm:prompt_tokens_total", "vllm:request_success_total")
+
+
+def parse_engine_load(metrics_text: str) -> dict[str, float]:
+    """The load series of a vLLM engine's Prometheus text, each summed over its labels."""
+    out = dict.fromkeys(_LOAD_SERIES, 0.0)
+    for line in metrics_text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            try:
+                out[name] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return out
+
+
+def engine_load(metrics_text: str) -> int:
+    """Running + waiting requests from a vLLM engine's Prometheus text."""
+    load = parse_engine_load(metrics_text)
+    return int(load["vllm:num_requests_running"] + load["vllm:num_requests_waiting"])
 
 
 def _least_loaded(engines: Sequence[Engine]) -> Engine | None:

@@ -49,25 +49,50 @@ async def _warm_pair(prefill, decode, model: str) -> bool:
         return False
 
 
+async def reprobe_links(orchestrator, model: str, probe_tokens: int, interval_s: float) -> None:
+    """Keep every pair's link estimate fresh: when a pair measured no hand-over for
+    ``interval_s`` (because the policy routed everything local, say), send one disaggregated
+    probe through it. Without this a link that recovered would never be tried again."""
+    pool, costs = orchestrator.pool, orchestrator.costs
+    seen: dict[tuple[str, str], int] = {}
+    while True:
+        await asyncio.sleep(interval_s)
+        for p in pool.prefill:
+            for d in pool.decode:
+                key = (p.name, d.name)
+                count = costs.link_samples(*key)
+                if p.healthy and d.healthy and seen.get(key) == count:
+                    await _probe(orchestrator, model, probe_tokens, "disaggregated",
+                                 prefill=p, decode=d)
+                seen[key] = costs.link_samples(*key)
+
+
+async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, decode=None
+                 ) -> None:
+    from proxy.requests import ApiRequest
+
+    rng = random.Random()
+    words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n))
+    body = {"model": model, "prompt": words, "max_tokens": 1, "temperature": 0, "stream": True}
+    req = ApiRequest("completions", body, True, f"pdserve-probe-{route}-{n}",
+                     force_route=route)  # type: ignore[arg-type]
+    try:
+        result = await orchestrator.serve(req, prefill=prefill, decode=decode)
+        async for _ in result.chunks:
+            pass
+    except Exception as exc:  # a failed probe leaves the estimates as they were
+        log.warning("probe %s/%d failed: %s", route, n, exc)
+
+
 async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) -> None:
     """Seed the cost model: each probe length once per route, streamed, on the real engines.
 
     Probes go through the orchestrator like user requests (so they measure exactly what users
     see) with the route forced. Prompts are random so no engine has them cached.
     """
-    from proxy.requests import ApiRequest
-
-    rng = random.Random()
-    for n in probe_tokens:
-        for route in ("local", "disaggregated"):
-            words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n))
-            body = {"model": model, "prompt": words, "max_tokens": 1, "temperature": 0,
-                    "stream": True}
-            req = ApiRequest("completions", body, True, f"pdserve-probe-{route}-{n}",
-                             force_route=route)  # type: ignore[arg-type]
-            try:
-                result = await orchestrator.serve(req)
-                async for _ in result.chunks:
-                    pass
-            except Exception as exc:  # a failed probe leaves the priors in place
-                log.warning("probe %s/%d failed: %s", route, n, exc)
+    for _ in range(2):  # twice: the first round still pays one-off warm-up costs
+        for n in probe_tokens:
+            for route in ("local", "disaggregated"):
+                for p in orchestrator.pool.prefill:
+                    for d in orchestrator.pool.decode:
+                        await _probe(orchestrator, model, n, route, prefill=p, decode=d)

@@ -107,3 +107,33 @@ def test_route_costs_queue_accounting():
     rc.end("p", 500)
     assert rc.queued_tokens("p") == 0
     assert rc.inputs("p", "d").prefill_queue_s == 0
+
+
+def test_engine_load_reads_running_and_waiting_only():
+    from proxy.pool import engine_load
+
+    text = (
+        '# HELP vllm:num_requests_running x\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3.0\n'
+        'vllm:num_requests_running_total 99\n'
+    )
+    assert engine_load(text) == 5
+
+
+def test_foreign_load_adds_queue_time():
+    rc = RouteCosts(KVB)
+    idle = rc.inputs("p", "d")
+    busy = rc.inputs("p", "d", prefill_foreign_requests=4)
+    assert busy.prefill_queue_s > idle.prefill_queue_s + 0.1
+    assert busy.decode_queue_s == idle.decode_queue_s
+
+
+def test_link_fit_follows_a_link_that_slows_down():
+    fit = LinkFit(LinkModel(0.01, 1e9), kv_bytes_per_token=KVB)
+    for n in (256, 1024, 256, 1024, 256, 1024, 256, 1024):
+        fit.observe(n, 0.02 + n * KVB / 1e9)  # fast link
+    for n in (1024, 256, 1024, 1024):
+        fit.observe(n, 0.02 + n * KVB / 2.5e6)  # throttled to 20 Mbit/s
+    assert fit.model().bytes_per_s < 10e6

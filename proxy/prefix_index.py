@@ -1,0 +1,84 @@
+"""Which prompt prefixes each engine holds, per tier, rebuilt from the engines' KV events.
+
+Blocks are keyed by their content chain (the key of the parent block plus this block's token
+ids), so a lookup needs only the prompt's token ids and the block size, not vLLM's hash function
+or seed. ``cached_tokens(ids)`` walks the prompt block by block and returns how many leading
+tokens the engine can load instead of computing (any tier), and per tier.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+
+from transport.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEvent
+
+ContentKey = int
+
+
+def _chain(parent: ContentKey | None, tokens: Sequence[int]) -> ContentKey:
+    return hash((parent, tuple(tokens)))
+
+
+class PrefixIndex:
+    """One engine's cached blocks. Not thread-safe; fed and read on the event loop."""
+
+    def __init__(self) -> None:
+        self.block_size: int | None = None
+        self._key_of: dict[Hashable, ContentKey] = {}  # engine's block hash -> content key
+        self._tiers: dict[ContentKey, Counter[str]] = {}  # content key -> tiers holding it
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def apply(self, events: Iterable[KVEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, BlocksStored):
+                self._store(ev)
+            elif isinstance(ev, BlocksRemoved):
+                for h in ev.block_hashes:
+                    key = self._key_of.get(h)
+                    if key is None:
+                        continue
+                    tiers = self._tiers.get(key)
+                    if tiers is not None:
+                        tiers[ev.tier] -= 1
+                        if tiers[ev.tier] <= 0:
+                            del tiers[ev.tier]
+                        if not tiers:
+                            del self._tiers[key]
+                            del self._key_of[h]
+            elif isinstance(ev, AllCleared):
+                self._key_of.clear()
+                self._tiers.clear()
+
+    def _store(self, ev: BlocksStored) -> None:
+        self.block_size = ev.block_size
+        parent = self._key_of.get(ev.parent_hash) if ev.parent_hash is not None else None
+        if ev.parent_hash is not None and parent is None:
+            return  # parent unknown (we joined late): these blocks cannot be matched by prefix
+        bs = ev.block_size
+        for i, h in enumerate(ev.block_hashes):
+            tokens = ev.token_ids[i * bs:(i + 1) * bs]
+            if len(tokens) < bs:
+                break
+            key = _chain(parent, tokens)
+            self._key_of[h] = key
+            self._tiers.setdefault(key, Counter())[ev.tier] += 1
+            parent = key
+
+    def cached_tokens(self, token_ids: Sequence[int], tier: str | None = None) -> int:
+        """Leading tokens of ``token_ids`` held (in ``tier``, or any tier), in whole blocks."""
+        bs = self.block_size
+        if not bs:
+            return 0
+        parent: ContentKey | None = None
+        n = 0
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            key = _chain(parent, token_ids[start:start + bs])
+            tiers = self._tiers.get(key)
+            if not tiers or (tier is not None and tier not in tiers):
+                break
+            n += bs
+            parent = key
+        return n

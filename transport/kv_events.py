@@ -1,0 +1,92 @@
+"""The one owner of vLLM's KV cache event wire format (``--kv-events-config``, ZMQ PUB).
+
+vLLM publishes multipart messages ``(topic, seq: 8 bytes big-endian, payload)``; the payload is a
+msgpack ``EventBatch`` array ``[ts, events, dp_rank?]`` whose events are maps tagged by ``type``:
+``BlockStored`` (block hashes, parent hash, the blocks' token ids, block size, medium),
+``BlockRemoved`` (block hashes, medium) and ``AllBlocksCleared``. This module turns a payload
+into frozen typed events and builds the engine-side config; it does no I/O.
+
+Wire versions: 1 — vLLM 0.32 (tagged map events, ``medium`` GPU/CPU/STORAGE, may be null).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import msgspec
+
+WIRE_VERSION = 1
+#: vLLM's tier names; a null medium means the engine's own (device) cache.
+DEVICE_TIER = "GPU"
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    block_hashes: tuple[Hashable, ...]
+    parent_hash: Hashable | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    tier: str
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    block_hashes: tuple[Hashable, ...]
+    tier: str
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    pass
+
+
+KVEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+class EventFormatError(ValueError):
+    pass
+
+
+def _hashable(h: Any) -> Hashable:
+    return tuple(h) if isinstance(h, list) else h
+
+
+def decode_batch(payload: bytes) -> list[KVEvent]:
+    """Decode one ``EventBatch`` payload; unknown event types are skipped (forward-compatible)."""
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise EventFormatError(f"undecodable KV event batch: {exc}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise EventFormatError("KV event batch is not [ts, events, ...]")
+    out: list[KVEvent] = []
+    for ev in batch[1]:
+        if not isinstance(ev, dict):
+            raise EventFormatError("KV event is not a map")
+        kind = ev.get("type")
+        tier = ev.get("medium") or DEVICE_TIER
+        if kind == "BlockStored":
+            out.append(BlocksStored(
+                block_hashes=tuple(_hashable(h) for h in ev["block_hashes"]),
+                parent_hash=_hashable(ev.get("parent_block_hash")),
+                token_ids=tuple(ev["token_ids"]),
+                block_size=int(ev["block_size"]),
+                tier=tier,
+            ))
+        elif kind == "BlockRemoved":
+            out.append(BlocksRemoved(tuple(_hashable(h) for h in ev["block_hashes"]), tier))
+        elif kind == "AllBlocksCleared":
+            out.append(AllCleared())
+    return out
+
+
+def kv_events_config(port: int, topic: str = "kv") -> str:
+    """``--kv-events-config`` for an engine publishing on ``port`` (all interfaces)."""
+    return json.dumps({
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port}",
+        "topic": topic,
+    }, separators=(",", ":"))
