@@ -21,11 +21,13 @@ Who calls what, in which order:
 2. ``link.create()`` (or ``with ThrottledLink(...) as link:``). It first removes leftovers of the
    same name from a crashed earlier run (netns ``<name>``, veth ``<name>-h``), refuses to run if
    another interface or route already claims the subnet, then builds the topology. The link starts
-   unthrottled.
+   unthrottled. Another process can get a handle on an existing link with
+   ``ThrottledLink.attach(name)``; it does not own the link.
 3. ``link.set_rate(LinkSpec(rate_mbit=100))`` any number of times, without recreating anything;
    ``LinkSpec(None)`` removes the shaping. ``measure_mbit(link)`` measures real TCP goodput from the
-   root namespace into the netns (it counts payload bytes, so a ``tbf`` rate of R mbit reads as
-   about 0.95 R: Ethernet/IP/TCP headers are charged to the link too).
+   root namespace into the netns (``reverse=True``: out of the netns, the way KV flows when decode
+   pulls from prefill). It counts payload bytes, so a rate of R Mbit/s reads as about 0.95 R:
+   Ethernet/IP/TCP headers are charged to the link too.
 4. The caller starts the prefill side with ``subprocess.Popen(link.wrap(argv), ...)``, points it at
    ``link.host_addr`` for anything in the root namespace, and points the root side at
    ``link.ns_addr``. The caller owns those processes and must stop them before step 5.
@@ -35,8 +37,13 @@ Who calls what, in which order:
    without a link, until they exit).
 
 The owner of a ``ThrottledLink`` (whoever called ``create``) is the one who cleans up. One name =
-one link: two live ``ThrottledLink`` objects with the same name or subnet would tear each other
-down. Interface names are limited to 15 characters, hence ``name`` to 13.
+one link: ``create`` on a second object with the same name treats the first one's netns and veth
+as leftovers and replaces them; a different name on the same subnet is refused. Interface names
+are limited to 15 characters, hence ``name`` to 13.
+
+Delay (``LinkSpec.delay_ms``) uses netem. Kernels without it (the 6.18 Firecracker kernel this
+was written on has only tbf/htb/ingress) make ``set_rate`` raise TestbedError for any delay and
+leave the previous shaping in place; bandwidth shaping (tbf) works everywhere.
 
 Every command runs with a timeout; a failing one raises ``TestbedError`` naming the command and
 its stderr.
@@ -47,6 +54,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
+import select
 import shutil
 import socket
 import subprocess
@@ -128,7 +137,9 @@ def _run(
         err = (proc.stderr or proc.stdout or "").strip()
         if any(m in err for m in ok_if):
             return proc
-        raise TestbedError(f"`{cmd}` failed with exit code {proc.returncode}: {err or '(no stderr)'}")
+        raise TestbedError(
+            f"`{cmd}` failed with exit code {proc.returncode}: {err or '(no stderr)'}"
+        )
     return proc
 
 
@@ -156,17 +167,37 @@ def available() -> bool:
 def _tbf_params(rate_mbit: float) -> tuple[int, int]:
     """(burst bytes, queue limit bytes) for a tbf of ``rate_mbit``.
 
-    burst: 4 ms worth of tokens, at least 3 full-size frames. That is above rate/HZ for HZ >= 250
-    (tbf also works below that with high-resolution timers) and small enough that the initial
-    full bucket barely skews a 2-3 s measurement at 1 Mbit/s. GSO packets larger than the burst
-    are segmented by tbf itself.
-    queue limit: 100 ms worth of data, at least 192 KiB, so a single TCP stream with a 64 KiB
-    GSO packet in flight never sees tail drops that would keep it below the configured rate.
+    burst: 4 ms worth of tokens, at least 3 full-size frames. That is rate/HZ at this kernel's
+    HZ=250 (tbf also works below rate/HZ with high-resolution timers) and small enough that the
+    initial full bucket barely skews a 2 s measurement at 1 Mbit/s. GSO packets larger than the
+    burst are segmented by tbf itself.
+    queue limit (the same thing as tbf's ``latency``, in bytes): 50 ms worth, at least 1 MiB.
+    Measured here: with 64-192 KiB a single TCP stream at 10 Mbit/s saw tail drops on every
+    transfer and once crawled at 0.6 Mbit/s for 30 s (retransmission timeouts); with 1 MiB there
+    were no drops at 1-1000 Mbit/s. One bulk TCP stream (BBR here) then kept 30-200 KiB queued:
+    ~0.8 s of queueing delay at 1 Mbit/s, ~0.1 s at 10 Mbit/s, a few ms at 100 Mbit/s -- a
+    bloated but honest link; small messages sharing it with a bulk transfer wait behind it.
     """
     rate_bps = rate_mbit * 1e6 / 8
     burst = max(3 * 1514, int(rate_bps * 0.004))
-    limit = max(192 * 1024, int(rate_bps * 0.1))
+    limit = max(1 << 20, int(rate_bps * 0.05))
     return burst, limit
+
+
+_UNIT = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
+
+
+def _parse_spec(qdisc_line: str) -> LinkSpec:
+    """The LinkSpec a ``tc qdisc show dev X root`` line stands for (tbf or netem; else none)."""
+    rate = re.search(r"\brate (\d+(?:\.\d+)?)([KMGT]?bit)\b", qdisc_line, re.I)
+    delay = re.search(r"\bdelay (\d+(?:\.\d+)?)(us|ms|s)\b", qdisc_line)
+    rate_mbit = float(rate.group(1)) * _UNIT[rate.group(2).lower()] if rate else None
+    delay_ms = 0.0
+    if delay and "netem" in qdisc_line:
+        delay_ms = float(delay.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[delay.group(2)]
+    if rate_mbit is not None and "tbf" not in qdisc_line and "netem" not in qdisc_line:
+        rate_mbit = None
+    return LinkSpec(rate_mbit, delay_ms)
 
 
 class ThrottledLink:
@@ -252,6 +283,25 @@ class ThrottledLink:
         self._spec = UNTHROTTLED
         return self
 
+    @classmethod
+    def attach(cls, name: str = "pdtb", subnet_octet: int = 231) -> ThrottledLink:
+        """A handle on a link another process created (e.g. ``pdserve dev --link-mbit``).
+
+        Checks that the netns and ``<name>-h`` exist and reads the current shaping from ``tc``, so
+        ``set_rate`` and ``measure_mbit`` work on it. The creator still owns the link: an attached
+        handle should not ``destroy`` it (it can; cleanup is idempotent either way).
+        """
+        link = cls(name, subnet_octet)
+        if not link._netns_exists():
+            raise TestbedError(f"no netns {name!r} to attach to (`ip netns list`)")
+        if not link._link_exists(link.host_device):
+            raise TestbedError(f"netns {name!r} exists but {link.host_device} does not")
+        link._created = True
+        link._spec = _parse_spec(
+            _run(["tc", "qdisc", "show", "dev", link.host_device, "root"]).stdout
+        )
+        return link
+
     def destroy(self) -> None:
         """Delete the veth pair and the netns. Idempotent; never kills processes (warns instead)."""
         self._created = False
@@ -304,16 +354,23 @@ class ThrottledLink:
                     f"{iface} on {parts[1]} overlaps {net}; pick another subnet_octet"
                 )
         routes = _run(["ip", "-4", "route", "show"]).stdout
+        route_types = {"unicast", "unreachable", "blackhole", "prohibit", "local", "broadcast",
+                       "throw", "nat", "anycast", "multicast"}
         for line in routes.splitlines():
-            dst = line.split()[0] if line.strip() else ""
-            if dst in ("default", "") or not dst[0].isdigit():
+            words = line.split()
+            if words and words[0] in route_types:
+                words = words[1:]
+            dst = words[0] if words else ""
+            if not dst[:1].isdigit():  # "default" and anything that is not a prefix
                 continue
             try:
                 rnet = ipaddress.IPv4Network(dst, strict=False)
             except ValueError:
                 continue
             if rnet.prefixlen > 0 and rnet.overlaps(net):
-                raise TestbedError(f"route `{line.strip()}` overlaps {net}; pick another subnet_octet")
+                raise TestbedError(
+                    f"route `{line.strip()}` overlaps {net}; pick another subnet_octet"
+                )
 
     # ------------------------------------------------------------------ shaping
 
@@ -321,9 +378,31 @@ class ThrottledLink:
         return ["tc"] if side == "h" else ["tc", "-n", self._name]
 
     def set_rate(self, spec: LinkSpec) -> None:
-        """Apply, change or remove shaping on both directions (no recreation, no reconnects)."""
+        """Apply, change or remove shaping on both directions (no recreation, no reconnects).
+
+        ``delay_ms > 0`` needs the kernel's netem qdisc; without it (as on the Firecracker kernels
+        this project is tested on: no CONFIG_NET_SCH_NETEM) this raises TestbedError and the
+        previous shaping stays in place.
+        """
         if not self._created:
             raise TestbedError(f"set_rate({spec}) on {self._name!r} before create()")
+        try:
+            self._apply(spec)
+        except TestbedError as e:
+            if self._spec != spec:
+                try:
+                    self._apply(self._spec)  # leave both directions as they were
+                except TestbedError:
+                    pass
+            if spec.delay_ms > 0 and "qdisc kind is unknown" in str(e):
+                raise TestbedError(
+                    f"{e} -- this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so "
+                    f"delay_ms={spec.delay_ms:g} cannot be emulated; only rate shaping (tbf) works"
+                ) from e
+            raise
+        self._spec = spec
+
+    def _apply(self, spec: LinkSpec) -> None:
         for side, dev in (("h", self.host_device), ("n", self.ns_device)):
             tc = self._tc(side)
             if spec.unthrottled:
@@ -337,7 +416,6 @@ class ThrottledLink:
                     *tc, "qdisc", "replace", "dev", dev, "root", "tbf",
                     "rate", f"{spec.rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit),
                 ])
-        self._spec = spec
 
     @staticmethod
     def _netem_args(spec: LinkSpec) -> list[str]:
@@ -362,8 +440,8 @@ class ThrottledLink:
 
 # ---------------------------------------------------------------------- measurement
 
-# Runs inside the netns: accept one connection, read to EOF, print what arrived and how long it
-# took from the first byte to the last (the first chunk is not counted: it left in no time).
+# The receiving end: accept one connection, read to EOF, print what arrived and how long it took
+# from the first byte to the last (the first chunk is not counted: it left in no time).
 _SINK = r"""
 import json, socket, sys, time
 srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -389,6 +467,19 @@ conn.close()
 print(json.dumps({"first": first, "bytes": n, "elapsed": t1 - t0}), flush=True)
 """
 
+# The sending end when it has to run inside the netns (reverse direction).
+_SOURCE = r"""
+import socket, sys
+host, port, nbytes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+chunk = memoryview(bytes(1 << 20))
+with socket.create_connection((host, port), timeout=timeout) as s:
+    while nbytes > 0:
+        k = min(nbytes, len(chunk))
+        s.sendall(chunk[:k])
+        nbytes -= k
+    s.shutdown(socket.SHUT_WR)
+"""
+
 
 def _default_nbytes(spec: LinkSpec) -> int:
     """About 2 s of data at the configured rate, within [256 KiB, 256 MiB]."""
@@ -397,15 +488,51 @@ def _default_nbytes(spec: LinkSpec) -> int:
     return int(min(256 << 20, max(256 << 10, spec.rate_mbit * 1e6 / 8 * 2.0)))
 
 
+def _send(host: str, port: int, nbytes: int, deadline: float) -> None:
+    chunk = memoryview(bytes(1 << 20))
+    with socket.create_connection((host, port), timeout=max(1.0, deadline - time.monotonic())) as s:
+        left = nbytes
+        while left > 0:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            k = min(left, len(chunk))
+            s.sendall(chunk[:k])
+            left -= k
+        s.shutdown(socket.SHUT_WR)
+
+
+def _diagnose(link: ThrottledLink) -> str:
+    """qdisc counters and TCP socket state on both ends, for error messages (best effort)."""
+    parts = []
+    for label, argv in (
+        ("root qdisc", ["tc", "-s", "qdisc", "show", "dev", link.host_device]),
+        ("netns qdisc", ["tc", "-n", link.netns, "-s", "qdisc", "show", "dev", link.ns_device]),
+        ("root sockets", ["ss", "-tin", "dst", link.ns_addr]),
+        ("netns sockets", ["ip", "netns", "exec", link.netns, "ss", "-tin", "dst", link.host_addr]),
+    ):
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            out = repr(e)
+        parts.append(f"[{label}] " + " ".join(out.split()))
+    return " ".join(parts)
+
+
 def measure_mbit(
     link: ThrottledLink,
     nbytes: int | None = None,
     timeout_s: float = 30.0,
+    reverse: bool = False,
 ) -> float:
-    """Measured TCP goodput, root namespace -> netns, in Mbit/s (payload bytes, receiver timing).
+    """Measured TCP goodput across the link in Mbit/s (payload bytes, timed at the receiver).
 
-    ``nbytes`` defaults to ~2 s worth at ``link.spec`` (256 MiB unthrottled), so a 1 Mbit/s link
-    takes ~2 s. Starts a one-shot sink inside the netns (``ip netns exec``), sends from here.
+    Default direction: root namespace -> netns (a sink runs inside the netns via
+    ``ip netns exec``, this process sends). ``reverse=True``: netns -> root namespace, the
+    direction KV blocks travel when the decode side pulls from a prefill engine in the netns
+    (the sink runs here, bound to ``host_addr``; the sender runs inside the netns).
+    ``nbytes`` defaults to ~2 s worth at ``link.spec`` (256 MiB unthrottled), so a 1 Mbit/s
+    measurement moves 2 s of data (plus starting one or two Python processes). ``timeout_s``
+    bounds the sink's start-up and, separately, the transfer. Payload goodput reads ~4-5 % under
+    a tbf rate (Ethernet/IP/TCP headers are charged to the link).
     """
     if not link.created:
         raise TestbedError(f"measure_mbit on {link.netns!r} before create()")
@@ -413,43 +540,61 @@ def measure_mbit(
         nbytes = _default_nbytes(link.spec)
     if nbytes < 64 << 10:
         raise ValueError(f"nbytes must be >= 64 KiB for a meaningful measurement, got {nbytes}")
-    argv = link.wrap([sys.executable, "-c", _SINK, link.ns_addr, f"{timeout_s:g}"])
-    deadline = time.monotonic() + timeout_s
-    sink = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+    sink_host = link.host_addr if reverse else link.ns_addr
+    sink_argv = [sys.executable, "-c", _SINK, sink_host, f"{timeout_s:g}"]
+    if not reverse:
+        sink_argv = link.wrap(sink_argv)
+    procs: list[subprocess.Popen] = []
+    what = (
+        f"measuring {'netns -> root' if reverse else 'root -> netns'} "
+        f"({sink_host}, {nbytes} bytes, {link.spec})"
     )
     try:
-        port_line = sink.stdout.readline() if sink.stdout else ""
+        sink = subprocess.Popen(
+            sink_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        procs.append(sink)
+        # Process start-up is not part of the transfer's budget: on this 2-core box, with engines
+        # busy, starting a Python process has taken many seconds.
+        assert sink.stdout is not None
+        ready, _, _ = select.select([sink.stdout], [], [], timeout_s)
+        port_line = sink.stdout.readline() if ready else ""
+        deadline = time.monotonic() + timeout_s
         if not port_line.strip().isdigit():
             sink.kill()
             _, err = sink.communicate(timeout=5)
-            raise TestbedError(f"sink `{' '.join(argv[:5])} ...` did not start: {err.strip()}")
+            raise TestbedError(f"{what}: sink `{' '.join(sink_argv[:5])} ...` did not start: "
+                               f"{err.strip()}")
         port = int(port_line)
-        chunk = memoryview(bytes(1 << 20))
-        with socket.create_connection(
-            (link.ns_addr, port), timeout=max(1.0, deadline - time.monotonic())
-        ) as s:
-            left = nbytes
-            while left > 0:
-                s.settimeout(max(0.1, deadline - time.monotonic()))
-                k = min(left, len(chunk))
-                s.sendall(chunk[:k])
-                left -= k
-            s.shutdown(socket.SHUT_WR)
-            out, err = sink.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        if reverse:
+            source_argv = link.wrap([
+                sys.executable, "-c", _SOURCE, sink_host, str(port), str(nbytes), f"{timeout_s:g}",
+            ])
+            source = subprocess.Popen(
+                source_argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL, text=True,
+            )
+            procs.append(source)
+            _, source_err = source.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if source.returncode != 0:
+                raise TestbedError(f"{what}: sender in netns exited with {source.returncode}: "
+                                   f"{source_err.strip()}")
+        else:
+            _send(sink_host, port, nbytes, deadline)
+        out, err = sink.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise TestbedError(
-            f"measuring {link.host_addr} -> {link.ns_addr} ({nbytes} bytes, {link.spec}) failed: {e!r}"
-        ) from e
+        raise TestbedError(f"{what} failed: {e!r}; link state: {_diagnose(link)}") from e
     finally:
-        if sink.poll() is None:
-            sink.kill()
-            sink.wait(5)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
     if sink.returncode != 0:
-        raise TestbedError(f"sink exited with {sink.returncode}: {err.strip()}")
+        raise TestbedError(f"{what}: sink exited with {sink.returncode}: {err.strip()}")
     report = json.loads(out.strip().splitlines()[-1])
     if report["first"] + report["bytes"] != nbytes:
-        raise TestbedError(f"sink received {report['first'] + report['bytes']} of {nbytes} bytes")
+        raise TestbedError(f"{what}: sink received {report['first'] + report['bytes']} bytes")
     if report["elapsed"] <= 0:
-        raise TestbedError(f"sink measured no time for {nbytes} bytes: {report}")
+        raise TestbedError(f"{what}: sink measured no time: {report}")
     return report["bytes"] * 8 / report["elapsed"] / 1e6

@@ -9,15 +9,22 @@ against both routes measured on the real engines.
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from launch.testbed import LinkSpec, ThrottledLink, available
 from tests.e2e.prompts import text_of_tokens
+from tests.e2e.routes import (
+    cache_on_prefill,
+    costs,
+    measure_disaggregated,
+    reset_decode_cache,
+    run_case,
+    ttft_stream,
+    wait_for,
+)
 from tests.e2e.stack import start_stack, stop_stack
-from transport import kv_params
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs root + ip/tc for netns")
 
@@ -38,86 +45,10 @@ def link_stack(tmp_path_factory):
     assert not stop_stack(stack)
 
 
-def costs(stack) -> dict:
-    return httpx.get(stack.proxy_url + "/pd/costs", timeout=10).json()
-
-
-def wait_for(pred, what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
-def reset_decode_cache(stack) -> None:
-    r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
-    assert r.status_code == 200, r.text
-    wait_for(lambda: costs(stack)["engines"]["decode-0"]["cached_blocks"] == 0,
-             "decode index to empty")
-
-
-def cache_on_prefill(stack, doc: str) -> None:
-    before = costs(stack)["engines"]["prefill-0"]["cached_blocks"]
-    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120,
-                   json={"model": stack.model_name, "prompt": doc, "max_tokens": 1})
-    assert r.status_code == 200
-    wait_for(lambda: costs(stack)["engines"]["prefill-0"]["cached_blocks"] >= before + 80,
-             "prefill index to learn the document")
-
-
-def ttft_stream(client: httpx.Client, url: str, body: dict) -> tuple[float, httpx.Headers]:
-    t0 = time.perf_counter()
-    with client.stream("POST", url, json=dict(body, stream=True)) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ttft = time.perf_counter() - t0
-                break
-        for _ in r.iter_lines():
-            pass
-        return ttft, r.headers
-
-
-def measure_local(stack, body: dict) -> float:
-    reset_decode_cache(stack)
-    with httpx.Client(timeout=300) as c:
-        return ttft_stream(c, stack.decode_url + "/v1/completions", body)[0]
-
-
-def measure_disaggregated(stack, body: dict) -> float:
-    """Prefill (prefix-cached there) then decode pulling the KV, timed like a client would."""
-    reset_decode_cache(stack)
-    pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
-    pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
-    with httpx.Client(timeout=300) as c:
-        t0 = time.perf_counter()
-        reply = c.post(stack.prefill_url + "/v1/completions", json=pbody).json()
-        prefill_s = time.perf_counter() - t0
-        dbody = dict(body)
-        dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(
-            kv_params.parse_prefill_reply(reply))
-        decode_ttft, _ = ttft_stream(c, stack.decode_url + "/v1/completions", dbody)
-    return prefill_s + decode_ttft
-
-
-def run_case(stack, seed: int) -> dict:
-    doc = text_of_tokens(DOC_TOKENS, seed=seed)
-    body = {"model": stack.model_name, "prompt": doc + " and then", "max_tokens": 2,
-            "temperature": 0}
-    cache_on_prefill(stack, doc)
-    reset_decode_cache(stack)
-    with httpx.Client(timeout=300) as c:
-        ttft, headers = ttft_stream(c, stack.proxy_url + "/v1/completions", body)
-    local = min(measure_local(stack, body) for _ in range(2))
-    disagg = min(measure_disaggregated(stack, body) for _ in range(2))
-    return {"route": headers["x-pd-route"], "estimate": headers.get("x-pd-estimate"),
-            "ttft": ttft, "local": local, "disaggregated": disagg}
-
-
 def test_fast_link_moves_kv_slow_link_recomputes(link_stack):
     link = ThrottledLink.attach()
     link.set_rate(LinkSpec(None))
-    fast = run_case(link_stack, seed=101)
+    fast = run_case(link_stack, DOC_TOKENS, seed=101)
     print("fast link:", fast)
     assert fast["route"] == "disaggregated", fast
     assert fast["disaggregated"] < fast["local"], fast  # the choice was right: measured
@@ -127,7 +58,7 @@ def test_fast_link_moves_kv_slow_link_recomputes(link_stack):
         # The re-probe loop measures the slower link within seconds; wait for the estimate.
         wait_for(lambda: min(v["bytes_per_s"] for v in costs(link_stack)["links"].values())
                  < SLOW_MBIT * 1e6 / 8 * 2, "the link estimate to drop")
-        slow = run_case(link_stack, seed=202)
+        slow = run_case(link_stack, DOC_TOKENS, seed=202)
         print("slow link:", slow)
         assert slow["route"] == "local", slow
         assert slow["local"] < slow["disaggregated"], slow
@@ -142,7 +73,7 @@ def test_busy_prefill_sends_request_local(link_stack):
     doc = text_of_tokens(DOC_TOKENS, seed=303)
     body = {"model": link_stack.model_name, "prompt": doc + " so", "max_tokens": 2,
             "temperature": 0}
-    cache_on_prefill(link_stack, doc)
+    cache_on_prefill(link_stack, doc, DOC_TOKENS)
     reset_decode_cache(link_stack)
 
     def flood(seed: int) -> list[threading.Thread]:

@@ -1,0 +1,99 @@
+"""Measure both routes of one request directly on the real engines (tests and benchmarks).
+
+The stack must run with ``--engine-dev-endpoints`` (for ``/reset_prefix_cache``) and publish KV
+events (the proxy's ``/pd/costs`` shows each engine's indexed blocks).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.e2e.prompts import text_of_tokens
+from transport import kv_params
+
+
+def costs(stack) -> dict:
+    return httpx.get(stack.proxy_url + "/pd/costs", timeout=10).json()
+
+
+def wait_for(pred, what: str, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def reset_decode_cache(stack) -> None:
+    r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: costs(stack)["engines"]["decode-0"]["cached_blocks"] == 0,
+             "decode index to empty")
+
+
+def cache_on_prefill(stack, doc: str, doc_tokens: int) -> None:
+    """Compute ``doc`` on the prefill engine alone (a plain request: its prefix cache keeps it)
+    and wait until the proxy's index has learned it from the engine's KV events."""
+    before = costs(stack)["engines"]["prefill-0"]["cached_blocks"]
+    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120,
+                   json={"model": stack.model_name, "prompt": doc, "max_tokens": 1})
+    assert r.status_code == 200
+
+    def learned() -> bool:
+        engine = costs(stack)["engines"]["prefill-0"]
+        block = engine["block_size"]
+        return bool(block) and engine["cached_blocks"] >= before + doc_tokens // block - 1
+
+    wait_for(learned, "prefill index to learn the document")
+
+
+def ttft_stream(client: httpx.Client, url: str, body: dict) -> tuple[float, httpx.Headers]:
+    t0 = time.perf_counter()
+    with client.stream("POST", url, json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ttft = time.perf_counter() - t0
+                break
+        for _ in r.iter_lines():
+            pass
+        return ttft, r.headers
+
+
+def measure_local(stack, body: dict) -> float:
+    reset_decode_cache(stack)
+    with httpx.Client(timeout=300) as c:
+        return ttft_stream(c, stack.decode_url + "/v1/completions", body)[0]
+
+
+def measure_disaggregated(stack, body: dict) -> float:
+    """Prefill (prefix-cached there) then decode pulling the KV, timed like a client would."""
+    reset_decode_cache(stack)
+    pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
+    pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
+    with httpx.Client(timeout=300) as c:
+        t0 = time.perf_counter()
+        reply = c.post(stack.prefill_url + "/v1/completions", json=pbody).json()
+        prefill_s = time.perf_counter() - t0
+        dbody = dict(body)
+        dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(
+            kv_params.parse_prefill_reply(reply))
+        decode_ttft, _ = ttft_stream(c, stack.decode_url + "/v1/completions", dbody)
+    return prefill_s + decode_ttft
+
+
+def run_case(stack, doc_tokens: int, seed: int, repeats: int = 2) -> dict:
+    """One load-or-recompute case: a document cached on prefill only, then the proxy's choice
+    and both routes measured directly on the engines (best of ``repeats``)."""
+    doc = text_of_tokens(doc_tokens, seed=seed)
+    body = {"model": stack.model_name, "prompt": doc + " and then", "max_tokens": 2,
+            "temperature": 0}
+    cache_on_prefill(stack, doc, doc_tokens)
+    reset_decode_cache(stack)
+    with httpx.Client(timeout=300) as c:
+        ttft, headers = ttft_stream(c, stack.proxy_url + "/v1/completions", body)
+    local = min(measure_local(stack, body) for _ in range(repeats))
+    disagg = min(measure_disaggregated(stack, body) for _ in range(repeats))
+    return {"route": headers["x-pd-route"], "estimate": headers.get("x-pd-estimate"),
+            "ttft": ttft, "local": local, "disaggregated": disagg}
