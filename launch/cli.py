@@ -32,6 +32,14 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reprobe-s", type=float, default=30.0,
                    help="re-measure a prefill->decode link after this long without a "
                         "hand-over (0 = never)")
+    p.add_argument("--prefill-deadline-s", type=float, default=120.0,
+                   help="give up on a prefill after this long and serve the request locally")
+    p.add_argument("--first-byte-deadline-s", type=float, default=120.0,
+                   help="504 when decode has not started answering after this long")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="requests served at once (admission control)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests that may wait for a slot; beyond: 503 + Retry-After")
     p.add_argument("--engine-dev-endpoints", action="store_true",
                    help="expose vLLM's dev endpoints on the engines (testbeds/benchmarks)")
     p.add_argument("--link-mbit", type=float, default=None,
@@ -74,6 +82,10 @@ def _run_dev(args: argparse.Namespace) -> int:
         kv_events_base_port=args.kv_events_base_port,
         link_mbit=args.link_mbit,
         reprobe_s=args.reprobe_s,
+        prefill_deadline_s=args.prefill_deadline_s,
+        first_byte_deadline_s=args.first_byte_deadline_s,
+        max_inflight=args.max_inflight,
+        max_queued=args.max_queued,
         engine_dev_endpoints=args.engine_dev_endpoints,
     )
     return run_dev(opts)

@@ -51,6 +51,10 @@ class DevOptions:
     #: many Mbit/s (0 = a separate namespace, unthrottled); None = plain loopback.
     link_mbit: float | None = None
     reprobe_s: float = 30.0
+    prefill_deadline_s: float = 120.0
+    first_byte_deadline_s: float = 120.0
+    max_inflight: int = 256
+    max_queued: int = 256
     engine_dev_endpoints: bool = False
 
 
@@ -159,6 +163,10 @@ def run_dev(opts: DevOptions) -> int:
             kv_bytes_per_token=model_kv_bytes_per_token(opts.model_path, prefill_spec.dtype),
             probe_tokens=opts.probe_tokens,
             reprobe_s=opts.reprobe_s,
+            prefill_deadline_s=opts.prefill_deadline_s,
+            first_byte_deadline_s=opts.first_byte_deadline_s,
+            max_inflight=opts.max_inflight,
+            max_queued=opts.max_queued,
             prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),
             decode_kv_events=(decode_spec.kv_events_endpoint or "",),
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,

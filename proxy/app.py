@@ -12,11 +12,15 @@ import contextlib
 import hmac
 import logging
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.admission import Admission
+from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient, new_session
 from proxy.errors import (
@@ -53,6 +57,8 @@ class ProxyState:
         self.orchestrator: Orchestrator | None = None
         self._tasks: list[asyncio.Task] = []
         self._zmq: zmq.asyncio.Context | None = None
+        self.admission = Admission(config.max_inflight, config.max_queued,
+                                   config.queue_timeout_s)
 
     async def start(self) -> None:
         self.session = new_session()
@@ -113,6 +119,24 @@ class ProxyState:
         return self.pool is not None and self.pool.ready and self.warmed
 
 
+async def _released_after(chunks: AsyncIterator[bytes], state: ProxyState
+                          ) -> AsyncIterator[bytes]:
+    """Relay ``chunks``; give the admission slot back when the stream ends, however it ends."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await _aclose(chunks)
+        state.admission.release()
+        state.metrics.inflight_requests.dec()
+
+
+async def _aclose(chunks: AsyncIterator[bytes]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 def _error_response(err: ProxyError, request_id: str | None = None) -> Response:
     headers = err.headers()
     if request_id:
@@ -156,16 +180,25 @@ def create_app(config: ProxyConfig) -> FastAPI:
         try:
             check_auth(request)
             check_content_type(request.headers.get("content-type"))
-            body = parse_body(await request.body(), config.body_limit_bytes)
+            raw = await read_body(request, config.body_limit_bytes, config.body_read_deadline_s)
+            body = parse_body(raw, config.body_limit_bytes)
             stream = check_request(endpoint, body, served)
+            await state.admission.acquire()
         except ProxyError as err:
             state.metrics.rejected_total.labels(err.type).inc()
             return _error_response(err, request_id)
         assert state.orchestrator is not None
         api_request = ApiRequest(endpoint, body, stream, request_id)
         state.metrics.inflight_requests.inc()
+        handed_off = False
         try:
-            result = await state.orchestrator.serve(api_request)
+            result = await serve_unless_disconnected(request, state.orchestrator.serve(api_request))
+            if isinstance(result, Stream):
+                result = replace(result, chunks=_released_after(result.chunks, state))
+                handed_off = True
+        except ClientGone:
+            state.metrics.client_disconnects_total.labels("before_response").inc()
+            return Response(status_code=499)
         except ProxyError as err:
             state.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
             return _error_response(err, request_id)
@@ -175,7 +208,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
             state.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
             return _error_response(err, request_id)
         finally:
-            state.metrics.inflight_requests.dec()
+            if not handed_off:
+                state.admission.release()
+                state.metrics.inflight_requests.dec()
         state.metrics.requests_total.labels(endpoint, result.route, "200").inc()
         return _render(result)
 

@@ -33,6 +33,12 @@ class ProxyConfig(BaseModel):
     #: When False, /health and /metrics also require the API key.
     public_health: bool = True
     body_limit_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    #: A client must finish sending its body within this many seconds (slow-loris guard).
+    body_read_deadline_s: float = Field(default=30.0, gt=0)
+    #: Admission control: requests served at once, requests allowed to wait, and for how long.
+    max_inflight: int = Field(default=256, gt=0)
+    max_queued: int = Field(default=256, ge=0)
+    queue_timeout_s: float = Field(default=10.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
     #: Run one P/D request per prefill x decode pair before reporting ready (pays the NIXL
     #: handshake at start-up instead of in a user's first request).

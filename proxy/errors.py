@@ -5,6 +5,7 @@
     │   ├── InvalidRequest        400 invalid_request_error
     │   ├── Unauthorized          401 authentication_error
     │   ├── ModelNotFound         404 not_found_error
+    │   ├── RequestTimeout        408 invalid_request_error (body not received in time)
     │   ├── PayloadTooLarge       413 invalid_request_error
     │   └── UnsupportedMediaType  415 invalid_request_error
     └── ServerError (5xx)
@@ -53,6 +54,10 @@ class Unauthorized(ClientError):
 class ModelNotFound(ClientError):
     status = 404
     type = "not_found_error"
+
+
+class RequestTimeout(ClientError):
+    status = 408
 
 
 class PayloadTooLarge(ClientError):

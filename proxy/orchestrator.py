@@ -122,6 +122,7 @@ class Orchestrator:
         self.metrics = metrics
         self.costs = costs
         self.tokenizer = tokenizer
+        self._background: set[asyncio.Task] = set()
 
     async def serve(
         self, req: ApiRequest, prefill: Engine | None = None, decode: Engine | None = None
@@ -150,6 +151,14 @@ class Orchestrator:
                              out_headers)
             with self.pool.using(trace.decode):
                 stream = await self._open_decode(trace, req, body)
+        except asyncio.CancelledError:
+            self._end_decode_work(trace)
+            if trace.handoff is not None and trace.t_decode_sent == 0.0:
+                # The client left between prefill and decode: prefill holds the blocks until
+                # its lease expires unless a decode reads them. Read them now (one token).
+                self.metrics.client_disconnects_total.labels("after_prefill").inc()
+                self._release_blocks(trace, req, body)
+            raise
         except BaseException:
             self._end_decode_work(trace)
             raise
@@ -227,6 +236,23 @@ class Orchestrator:
         log.warning("prefill failed (%s): serving locally", reason)
         self.metrics.fallbacks_total.labels(reason).inc()
         return None
+
+    def _release_blocks(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]) -> None:
+        release = dict(body, max_tokens=1, stream=False)
+        release.pop("max_completion_tokens", None)
+        release.pop("stream_options", None)
+        client = trace.decode.client
+
+        async def run() -> None:
+            try:
+                await client.post_json(req.path, release, {"x-request-id": req.request_id},
+                                       self.deadlines.first_byte_s)
+            except Exception as exc:  # noqa: BLE001 - best effort; the lease frees them later
+                log.warning("could not release prefill blocks of %s: %s", req.request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]

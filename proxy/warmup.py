@@ -71,9 +71,8 @@ async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, dec
                  ) -> None:
     from proxy.requests import ApiRequest
 
-    rng = random.Random()
-    words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n))
-    body = {"model": model, "prompt": words, "max_tokens": 1, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": probe_prompt(n, orchestrator.tokenizer),
+            "max_tokens": 1, "temperature": 0, "stream": True}
     req = ApiRequest("completions", body, True, f"pdserve-probe-{route}-{n}",
                      force_route=route)  # type: ignore[arg-type]
     try:
@@ -82,6 +81,18 @@ async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, dec
             pass
     except Exception as exc:  # a failed probe leaves the estimates as they were
         log.warning("probe %s/%d failed: %s", route, n, exc)
+
+
+def probe_prompt(n_tokens: int, tokenizer) -> str | list[int]:
+    """A fresh random prompt of about ``n_tokens`` tokens (exactly, as token ids, when the
+    proxy has the tokenizer); random so that no engine has it cached."""
+    rng = random.Random()
+    words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n_tokens))
+    if tokenizer is not None:
+        ids = tokenizer.ids({"prompt": words})
+        if ids:
+            return ids[:n_tokens]
+    return words[: 4 * n_tokens]  # ~4 characters per token
 
 
 async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) -> None:

@@ -13,7 +13,8 @@ TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=156
 def tiny_stack(tmp_path_factory) -> DevStack:
     stack = start_stack(
         "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
-        extra=["--policy", "disaggregate", "--kv-events-base-port", "15700"], **TINY_PORTS,
+        extra=["--policy", "disaggregate", "--kv-events-base-port", "15700",
+               "--kv-cache-gib", "1"], **TINY_PORTS,
     )
     yield stack
     alive = stop_stack(stack)

@@ -38,6 +38,7 @@ def link_stack(tmp_path_factory):
         "tiny", port=19000, engine_base_port=19100, side_channel_base_port=19600,
         log_dir=tmp_path_factory.mktemp("link-stack"), model_name="pdserve-tiny",
         extra=["--policy", "auto", "--link-mbit", "0", "--kv-events-base-port", "19700",
+               "--kv-cache-gib", "1",
                "--engine-dev-endpoints", "--reprobe-s", "2", "--probe-tokens", "64,512,1536"],
     )
     stack.prefill_url = stack.run_info()["engines"][0]["url"]
