@@ -8,8 +8,11 @@ NIXL handoff and the prompt's token ids); anything else is a decode (a JSON repl
 framed exactly as vLLM frames it: ``data: {...}\\n\\n`` ... ``data: [DONE]\\n\\n``).
 
 Faults are knobs set per test before the request; hangs are gated by ``asyncio.Event`` (set the
-event to release the handler; :meth:`FakeEngine.stop` releases every gate). A prompt containing
-``TOO_LONG`` gets vLLM's 400 in either role. This fake adds faults the real engines can't produce
+event to release the handler; a request keeps the gate that was set when it arrived, so swapping
+the knob between requests gates them separately; :meth:`FakeEngine.stop` releases every gate). A
+prompt containing ``TOO_LONG`` gets vLLM's 400 in either role. When the proxy goes away mid-answer
+(its connection closed: aiohttp cancels the handler, or a write fails) the fake records an abort,
+as vLLM would abort the request. This fake adds faults the real engines can't produce
 on demand; it never replaces the end-to-end tests on real engines.
 """
 
@@ -60,6 +63,9 @@ class FakeEngine:
     decode_gate_after_frames: int = 0
     #: When set, a streaming decode writes this many frames and then drops the connection.
     decode_drop_after_frames: int | None = None
+    #: Content tokens of each decode stream (one SSE frame each), and the pause between frames.
+    stream_tokens: tuple[str, ...] = STREAM_TOKENS
+    decode_frame_interval_s: float = 0.0
 
     # --- what happened ---
     prefill_requests: list[Recorded] = field(default_factory=list)
@@ -71,12 +77,19 @@ class FakeEngine:
     #: Every byte each decode stream wrote, one entry per stream.
     sent_streams: list[bytes] = field(default_factory=list)
     health_checks: int = 0
+    #: Set when a prefill (decode) handler lost its client before it finished: the connection
+    #: was closed (handler cancelled) or a write failed. The counts say how many times.
+    prefill_aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    decode_aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    prefill_aborts: int = 0
+    decode_aborts: int = 0
 
     def __post_init__(self) -> None:
         self._server: TestServer | None = None
         self._url: str | None = None
         self._changed = asyncio.Condition()
         self._arrived = 0
+        self._gates: set[asyncio.Event] = set()  # every gate a request waited on
 
     # --- lifecycle ---
 
@@ -91,7 +104,7 @@ class FakeEngine:
 
     async def stop(self) -> None:
         """Release every gate, then close the server (a stopped engine refuses connections)."""
-        for gate in (self.prefill_gate, self.decode_gate):
+        for gate in (self.prefill_gate, self.decode_gate, *self._gates):
             if gate is not None:
                 gate.set()
         if self._server is not None:
@@ -142,13 +155,31 @@ class FakeEngine:
             return _error(400, "BadRequestError", "This model's maximum context length is 64 "
                           "tokens. However, your request has 9000 input tokens. Please reduce "
                           "the length of the input messages.")
-        if is_prefill:
-            return await self._prefill(recorded)
-        return await self._decode(request, recorded)
+        try:
+            if is_prefill:
+                return await self._prefill(recorded, self._take(self.prefill_gate))
+            return await self._decode(request, recorded, self._take(self.decode_gate))
+        except (asyncio.CancelledError, ConnectionError):
+            self._record_abort(is_prefill)
+            raise
 
-    async def _prefill(self, rec: Recorded) -> web.Response:
-        if self.prefill_gate is not None:
-            await self.prefill_gate.wait()
+    def _take(self, gate: asyncio.Event | None) -> asyncio.Event | None:
+        """The gate this request waits on: the knob's value when it arrived."""
+        if gate is not None:
+            self._gates.add(gate)
+        return gate
+
+    def _record_abort(self, is_prefill: bool) -> None:
+        if is_prefill:
+            self.prefill_aborts += 1
+            self.prefill_aborted.set()
+        else:
+            self.decode_aborts += 1
+            self.decode_aborted.set()
+
+    async def _prefill(self, rec: Recorded, gate: asyncio.Event | None) -> web.Response:
+        if gate is not None:
+            await gate.wait()
         if self.prefill_status != 200:
             return _error(self.prefill_status, "InternalServerError", "EngineCore died")
         if self.prefill_raw_reply is not None:
@@ -181,11 +212,13 @@ class FakeEngine:
             reply["choices"][0]["prompt_token_ids"] = ids
         return web.json_response(reply)
 
-    async def _decode(self, request: web.Request, rec: Recorded) -> web.StreamResponse:
-        if self.decode_gate is not None and self.decode_gate_after_frames == 0:
-            await self.decode_gate.wait()
+    async def _decode(
+        self, request: web.Request, rec: Recorded, gate: asyncio.Event | None
+    ) -> web.StreamResponse:
+        if gate is not None and self.decode_gate_after_frames == 0:
+            await gate.wait()
         if not rec.body.get("stream"):
-            reply = _reply(rec, "".join(STREAM_TOKENS)) | {
+            reply = _reply(rec, "".join(self.stream_tokens)) | {
                 "kv_transfer_params": None,
                 "x_fake_received_kv_transfer_params": "kv_transfer_params" in rec.body,
             }
@@ -195,21 +228,20 @@ class FakeEngine:
         )
         await resp.prepare(request)
         sent = bytearray()
+        slot = len(self.sent_streams)  # streams may interleave: each updates its own entry
         self.sent_streams.append(b"")
-        for i, frame in enumerate(_frames(rec)):
+        for i, frame in enumerate(_frames(rec, self.stream_tokens)):
             if i == self.decode_drop_after_frames:
                 assert request.transport is not None
                 request.transport.close()  # a crashed engine: no terminating chunk
                 return resp
-            if (
-                self.decode_gate is not None
-                and self.decode_gate_after_frames
-                and i == self.decode_gate_after_frames
-            ):
-                await self.decode_gate.wait()
+            if gate is not None and i == self.decode_gate_after_frames > 0:
+                await gate.wait()
+            if i and self.decode_frame_interval_s:
+                await asyncio.sleep(self.decode_frame_interval_s)  # the time a token takes
             await resp.write(frame)
             sent += frame
-            self.sent_streams[-1] = bytes(sent)
+            self.sent_streams[slot] = bytes(sent)
         await resp.write_eof()
         return resp
 
@@ -255,7 +287,7 @@ def _reply(rec: Recorded, text: str) -> dict[str, Any]:
     }
 
 
-def _frames(rec: Recorded) -> list[bytes]:
+def _frames(rec: Recorded, tokens: tuple[str, ...] = STREAM_TOKENS) -> list[bytes]:
     """The SSE frames of one stream, as vLLM writes them (compact JSON, blank-line separated)."""
     kind = _kind(rec.path)
     base = {"id": f"{kind}-{rec.request_id}", "created": 1767225600,
@@ -263,15 +295,15 @@ def _frames(rec: Recorded) -> list[bytes]:
     chunks: list[dict[str, Any]] = []
     if kind == "chatcmpl":
         base["object"] = "chat.completion.chunk"
-        deltas = [{"role": "assistant", "content": ""}] + [{"content": t} for t in STREAM_TOKENS]
+        deltas = [{"role": "assistant", "content": ""}] + [{"content": t} for t in tokens]
         for i, delta in enumerate(deltas):
             last = i == len(deltas) - 1
             chunks.append(base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
                                                "finish_reason": "length" if last else None}]})
     else:
         base["object"] = "text_completion"
-        for i, token in enumerate(STREAM_TOKENS):
-            last = i == len(STREAM_TOKENS) - 1
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
             chunks.append(base | {"choices": [{"index": 0, "text": token, "logprobs": None,
                                                "finish_reason": "length" if last else None}]})
     frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks]
