@@ -24,6 +24,7 @@ from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient, new_session
 from proxy.errors import (
+    InvalidRequest,
     NoEngineAvailable,
     ProxyError,
     Unauthorized,
@@ -100,8 +101,9 @@ class ProxyState:
         finally:
             self.warmed = True  # failures are logged; requests are served either way
         if self.config.reprobe_s > 0 and self.config.probe_tokens:
-            await reprobe_links(self.orchestrator, model, max(self.config.probe_tokens),
-                                self.config.reprobe_s)
+            # Mid-sized: long enough to see the bandwidth, short enough to be cheap.
+            size = sorted(self.config.probe_tokens)[len(self.config.probe_tokens) // 2]
+            await reprobe_links(self.orchestrator, model, size, self.config.reprobe_s)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -187,6 +189,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
         except ProxyError as err:
             state.metrics.rejected_total.labels(err.type).inc()
             return _error_response(err, request_id)
+        except ClientGone:  # left while sending the body
+            state.metrics.client_disconnects_total.labels("before_response").inc()
+            return Response(status_code=499)
         assert state.orchestrator is not None
         api_request = ApiRequest(endpoint, body, stream, request_id)
         state.metrics.inflight_requests.inc()
@@ -196,8 +201,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
             if isinstance(result, Stream):
                 result = replace(result, chunks=_released_after(result.chunks, state))
                 handed_off = True
-        except ClientGone:
-            state.metrics.client_disconnects_total.labels("before_response").inc()
+        except ClientGone:  # the orchestrator counted it, by stage
             return Response(status_code=499)
         except ProxyError as err:
             state.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
@@ -262,6 +266,26 @@ def create_app(config: ProxyConfig) -> FastAPI:
             for e in (state.pool.all() if state.pool else [])
         }
         return Response(_dumps(view), media_type="application/json")
+
+    @app.post("/pd/lookup")
+    async def lookup(request: Request) -> Response:
+        """How many leading tokens of a prompt (a chat or completions body) each engine holds,
+        by tier, according to the proxy's index: what the next decision for it would use."""
+        try:
+            check_auth(request)
+            body = parse_body(await request.body(), config.body_limit_bytes)
+        except ProxyError as err:
+            return _error_response(err)
+        tokenizer = state.orchestrator.tokenizer if state.orchestrator else None
+        ids = tokenizer.ids(body) if tokenizer is not None else None
+        if ids is None:
+            return _error_response(InvalidRequest("cannot tokenize this body at the proxy"))
+        engines = {}
+        for e in state.pool.all() if state.pool else []:
+            tiers = {t: e.index.cached_tokens(ids, tier=t) for t in e.index.tiers()}
+            engines[e.name] = {"cached_tokens": e.index.cached_tokens(ids), "by_tier": tiers}
+        return Response(_dumps({"prompt_tokens": len(ids), "engines": engines}),
+                        media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

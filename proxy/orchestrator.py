@@ -70,6 +70,8 @@ class _Trace:
     handoff: kv_params.PrefillHandoff | None = None
     t_handoff: float = 0.0
     t_decode_sent: float = 0.0
+    #: The decode engine sent its response headers (it has the request).
+    decode_answered: bool = False
     decode_was_idle: bool = False
     queued_tokens: int = 0
     decode_cached_tokens: int = 0
@@ -130,7 +132,11 @@ class Orchestrator:
         """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else least loaded."""
         trace = self._plan(req, prefill, decode)
         if trace.decision.route == "disaggregated" and trace.prefill is not None:
-            trace.handoff = await self._prefill_or_fallback(trace, req)
+            try:
+                trace.handoff = await self._prefill_or_fallback(trace, req)
+            except asyncio.CancelledError:  # the client left; closing the request aborted it
+                self.metrics.client_disconnects_total.labels("before_response").inc()
+                raise
         trace.route = "disaggregated" if trace.handoff is not None else "local"
         trace.t_handoff = time.perf_counter()
         body = dict(req.body)
@@ -153,11 +159,15 @@ class Orchestrator:
                 stream = await self._open_decode(trace, req, body)
         except asyncio.CancelledError:
             self._end_decode_work(trace)
-            if trace.handoff is not None and trace.t_decode_sent == 0.0:
-                # The client left between prefill and decode: prefill holds the blocks until
-                # its lease expires unless a decode reads them. Read them now (one token).
-                self.metrics.client_disconnects_total.labels("after_prefill").inc()
+            stage = "before_response"
+            if trace.handoff is not None and not trace.decode_answered:
+                # The client left after prefill, before decode answered: the decode request, if
+                # it got out, is aborted, maybe before its engine took it. Prefill then holds
+                # the blocks until its lease expires unless a decode reads them: read them now
+                # (one token).
+                stage = "after_prefill"
                 self._release_blocks(trace, req, body)
+            self.metrics.client_disconnects_total.labels(stage).inc()
             raise
         except BaseException:
             self._end_decode_work(trace)
@@ -269,6 +279,7 @@ class Orchestrator:
             raise UpstreamError("the decode engine is unreachable") from None
         except EngineTimeout:
             raise StageTimeout("the decode engine did not answer in time") from None
+        trace.decode_answered = True
         if stream.status != 200:
             try:
                 data = await stream.read_all()

@@ -67,6 +67,9 @@ class PrefixIndex:
             self._tiers.setdefault(key, Counter())[ev.tier] += 1
             parent = key
 
+    def tiers(self) -> set[str]:
+        return {t for tiers in self._tiers.values() for t in tiers}
+
     def cached_tokens(self, token_ids: Sequence[int], tier: str | None = None) -> int:
         """Leading tokens of ``token_ids`` held (in ``tier``, or any tier), in whole blocks."""
         bs = self.block_size

@@ -25,27 +25,35 @@ def wait_for(pred, what: str, timeout_s: float = 90.0) -> None:
         time.sleep(0.2)
 
 
-def reset_decode_cache(stack) -> None:
+def cached_on(stack, body: dict, engine: str) -> int:
+    """Leading tokens of ``body``'s prompt that the proxy's index says ``engine`` holds."""
+    r = httpx.post(stack.proxy_url + "/pd/lookup", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["engines"][engine]["cached_tokens"]
+
+
+def reset_decode_cache(stack, body: dict) -> None:
+    """Empty the decode engine's prefix cache and wait until the proxy's index no longer
+    holds ``body``'s prompt there.
+
+    vLLM publishes KV events with scheduler steps, so an idle engine's reset reaches
+    subscribers only with its next step: a one-token request (shorter than a block, so it
+    caches nothing) provides that step."""
     r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
     assert r.status_code == 200, r.text
-    wait_for(lambda: costs(stack)["engines"]["decode-0"]["cached_blocks"] == 0,
-             "decode index to empty")
+    httpx.post(stack.decode_url + "/v1/completions", timeout=60,
+               json={"model": stack.model_name, "prompt": "x", "max_tokens": 1})
+    wait_for(lambda: cached_on(stack, body, "decode-0") == 0, "decode index to drop the prompt")
 
 
 def cache_on_prefill(stack, doc: str, doc_tokens: int) -> None:
     """Compute ``doc`` on the prefill engine alone (a plain request: its prefix cache keeps it)
     and wait until the proxy's index has learned it from the engine's KV events."""
-    before = costs(stack)["engines"]["prefill-0"]["cached_blocks"]
-    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120,
-                   json={"model": stack.model_name, "prompt": doc, "max_tokens": 1})
+    body = {"model": stack.model_name, "prompt": doc, "max_tokens": 1}
+    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120, json=body)
     assert r.status_code == 200
-
-    def learned() -> bool:
-        engine = costs(stack)["engines"]["prefill-0"]
-        block = engine["block_size"]
-        return bool(block) and engine["cached_blocks"] >= before + doc_tokens // block - 1
-
-    wait_for(learned, "prefill index to learn the document")
+    wait_for(lambda: cached_on(stack, body, "prefill-0") >= 0.8 * doc_tokens,
+             "prefill index to learn the document")
 
 
 def ttft_stream(client: httpx.Client, url: str, body: dict) -> tuple[float, httpx.Headers]:
@@ -62,14 +70,14 @@ def ttft_stream(client: httpx.Client, url: str, body: dict) -> tuple[float, http
 
 
 def measure_local(stack, body: dict) -> float:
-    reset_decode_cache(stack)
+    reset_decode_cache(stack, body)
     with httpx.Client(timeout=300) as c:
         return ttft_stream(c, stack.decode_url + "/v1/completions", body)[0]
 
 
 def measure_disaggregated(stack, body: dict) -> float:
     """Prefill (prefix-cached there) then decode pulling the KV, timed like a client would."""
-    reset_decode_cache(stack)
+    reset_decode_cache(stack, body)
     pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
     with httpx.Client(timeout=300) as c:
@@ -90,7 +98,7 @@ def run_case(stack, doc_tokens: int, seed: int, repeats: int = 2) -> dict:
     body = {"model": stack.model_name, "prompt": doc + " and then", "max_tokens": 2,
             "temperature": 0}
     cache_on_prefill(stack, doc, doc_tokens)
-    reset_decode_cache(stack)
+    reset_decode_cache(stack, body)
     with httpx.Client(timeout=300) as c:
         ttft, headers = ttft_stream(c, stack.proxy_url + "/v1/completions", body)
     local = min(measure_local(stack, body) for _ in range(repeats))

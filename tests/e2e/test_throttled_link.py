@@ -39,7 +39,7 @@ def link_stack(tmp_path_factory):
         log_dir=tmp_path_factory.mktemp("link-stack"), model_name="pdserve-tiny",
         extra=["--policy", "auto", "--link-mbit", "0", "--kv-events-base-port", "19700",
                "--kv-cache-gib", "1",
-               "--engine-dev-endpoints", "--reprobe-s", "2", "--probe-tokens", "64,512,1536"],
+               "--engine-dev-endpoints", "--reprobe-s", "5", "--probe-tokens", "64,512,1536"],
     )
     stack.prefill_url = stack.run_info()["engines"][0]["url"]
     yield stack
@@ -75,7 +75,7 @@ def test_busy_prefill_sends_request_local(link_stack):
     body = {"model": link_stack.model_name, "prompt": doc + " so", "max_tokens": 2,
             "temperature": 0}
     cache_on_prefill(link_stack, doc, DOC_TOKENS)
-    reset_decode_cache(link_stack)
+    reset_decode_cache(link_stack, body)
 
     def flood(seed: int) -> list[threading.Thread]:
         def one(i: int) -> None:

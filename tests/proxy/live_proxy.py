@@ -19,14 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from fake_engine import FakeEngine
 from fastapi import FastAPI
 
-from fake_engine import FakeEngine
 from proxy.app import ProxyState, create_app
 from proxy.config import ProxyConfig
 
-#: Upper bound for things that take milliseconds (start-up, a counter catching up).
-SETTLE_S = 5.0
+#: Upper bound for things that take milliseconds (start-up, a counter catching up). Only a
+#: failing test ever waits this long; it is generous because a busy 2-core box can stall a
+#: process for seconds.
+SETTLE_S = 30.0
 
 
 def proxy_config(prefill: FakeEngine | None, decode: FakeEngine, **overrides: Any) -> ProxyConfig:
@@ -38,10 +40,10 @@ def proxy_config(prefill: FakeEngine | None, decode: FakeEngine, **overrides: An
         "policy": "disaggregate",
         "warmup": False,
         "health_interval_s": 3600.0,
-        "prefill_deadline_s": 30.0,
-        "first_byte_deadline_s": 30.0,
-        "idle_deadline_s": 30.0,
-        "total_deadline_s": 60.0,
+        "prefill_deadline_s": 120.0,  # deadlines no test means to reach
+        "first_byte_deadline_s": 120.0,
+        "idle_deadline_s": 120.0,
+        "total_deadline_s": 300.0,
     }
     return ProxyConfig(**(settings | overrides))
 
@@ -126,7 +128,7 @@ class RawRequest:
         body: bytes | dict[str, Any],
         *,
         content_length: int | None = None,
-    ) -> "RawRequest":
+    ) -> RawRequest:
         """Send the head and ``body``; ``content_length`` may declare more than is sent."""
         raw = json.dumps(body).encode() if isinstance(body, dict) else body
         length = len(raw) if content_length is None else content_length

@@ -19,13 +19,12 @@ import asyncio
 import json
 from typing import Any
 
-import httpx
 import pytest
-
 from fake_engine import FakeEngine
 from live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
+from test_proxy_app import CHAT_PATH, chat_body
+
 from proxy.app import create_app
-from test_proxy_app import CHAT_PATH, chat_body, decode, prefill  # noqa: F401 - fixtures
 
 #: How soon the proxy must pass a hang-up on to the engine it is waiting for.
 NOTICE_S = 1.0
@@ -170,22 +169,3 @@ async def test_hang_up_between_decode_headers_and_the_first_byte(
         assert state.metrics.registry.get_sample_value("pd_inflight_requests") == 0
         assert state.pool.decode[0].inflight == 0
     assert calls >= 3
-
-
-async def test_a_fresh_request_works_after_every_kind_of_hang_up(
-    prefill: FakeEngine, decode: FakeEngine
-) -> None:
-    """After the hang-ups above in one proxy, the next request is served normally."""
-    prefill.prefill_gate = asyncio.Event()
-    async with live_proxy(proxy_config(prefill, decode)) as lp:
-        raw = await RawRequest.send(lp, CHAT_PATH, chat_body(stream=True))
-        async with asyncio.timeout(SETTLE_S):
-            await prefill.wait_for_requests(1)
-        await raw.hang_up()
-        async with asyncio.timeout(NOTICE_S):
-            await prefill.prefill_aborted.wait()
-        prefill.prefill_gate = None
-        async with httpx.AsyncClient(base_url=lp.url, timeout=SETTLE_S) as client:
-            resp = await client.post(CHAT_PATH, json=chat_body())
-        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "disaggregated"
-        await assert_slot_released(lp)

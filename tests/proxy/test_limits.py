@@ -19,22 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
-
 from fake_engine import DONE_FRAME, FakeEngine
 from live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
-from test_proxy_app import (  # noqa: F401 - prefill/decode are fixtures
-    CHAT_PATH,
-    assert_error,
-    chat_body,
-    decode,
-    prefill,
-    proxy,
-    split_in_band_error,
-)
+from test_proxy_app import CHAT_PATH, assert_error, chat_body, proxy, split_in_band_error
 
 LIMITS: dict[str, Any] = {"max_inflight": 2, "max_queued": 1, "queue_timeout_s": 0.5}
 #: A queue timeout no step of a test comes near: only a freed slot lets a queued request in.
-PATIENT_QUEUE_S = 30.0
+PATIENT_QUEUE_S = 300.0
 
 
 def stream_body() -> dict[str, Any]:
@@ -68,6 +59,7 @@ async def start_held_stream(client: httpx.AsyncClient, decode: FakeEngine, gate:
 def assert_completed(result: tuple[httpx.Response, bytes]) -> None:
     resp, body = result
     assert resp.status_code == 200, body
+    assert resp.headers["x-pd-route"] == "disaggregated"
     assert body.endswith(DONE_FRAME) and b'"error"' not in body, body
 
 
@@ -90,7 +82,7 @@ async def client_for() -> AsyncIterator[Any]:
     clients: list[httpx.AsyncClient] = []
 
     def make(lp: LiveProxy) -> httpx.AsyncClient:
-        clients.append(httpx.AsyncClient(base_url=lp.url, timeout=SETTLE_S * 4))
+        clients.append(httpx.AsyncClient(base_url=lp.url, timeout=SETTLE_S * 2))
         return clients[-1]
 
     yield make
