@@ -28,7 +28,7 @@ from tests.e2e.stack import start_stack, stop_stack
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs root + ip/tc for netns")
 
-DOC_TOKENS = 1500
+DOC_TOKENS = 3000
 SLOW_MBIT = 20.0
 
 
