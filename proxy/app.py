@@ -177,6 +177,16 @@ def create_app(config: ProxyConfig) -> FastAPI:
         if not hmac.compare_digest(given.encode(), expected.encode()):
             raise Unauthorized("invalid or missing API key")
 
+    def check_ops_auth(request: Request) -> Response | None:
+        """/health, /metrics, /pd/costs: public unless configured otherwise."""
+        if config.public_health:
+            return None
+        try:
+            check_auth(request)
+        except ProxyError as err:
+            return _error_response(err)
+        return None
+
     async def completion(request: Request, endpoint: Endpoint) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
@@ -240,11 +250,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if not config.public_health:
-            try:
-                check_auth(request)
-            except ProxyError as err:
-                return _error_response(err)
+        if (denied := check_ops_auth(request)) is not None:
+            return denied
         if state.ready:
             return Response(_dumps({"status": "ok"}), media_type="application/json")
         return _error_response(NoEngineAvailable("not ready: engines starting or down"))
@@ -252,11 +259,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/pd/costs")
     async def costs(request: Request) -> Response:
         """The live cost model (fits, queued work): what the next decisions will use."""
-        if not config.public_health:
-            try:
-                check_auth(request)
-            except ProxyError as err:
-                return _error_response(err)
+        if (denied := check_ops_auth(request)) is not None:
+            return denied
         view = state.costs.describe()
         view["engines"] = {
             e.name: {"role": e.role, "healthy": e.healthy, "inflight": e.inflight,
@@ -289,11 +293,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if not config.public_health:
-            try:
-                check_auth(request)
-            except ProxyError as err:
-                return _error_response(err)
+        if (denied := check_ops_auth(request)) is not None:
+            return denied
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

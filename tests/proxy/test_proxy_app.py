@@ -51,26 +51,6 @@ BODIES = {CHAT_PATH: chat_body, COMPLETIONS_PATH: completions_body}
 # --- harness ---------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def prefill() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine("prefill")
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
-@pytest.fixture
-async def decode() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine("decode")
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
-
-
 @contextlib.asynccontextmanager
 async def proxy(
     prefill: FakeEngine | None, decode: FakeEngine, **overrides: Any
