@@ -71,7 +71,7 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         kv_cache_gib=opts.kv_cache_gib,
         dtype=default_dtype(device),
         max_model_len=opts.max_model_len,
-        connector=ConnectorOptions(lease_s=opts.lease_s),
+        connector=ConnectorOptions(lease_s=opts.lease_s, cpu_fixes=device == "cpu"),
         kv_events_port=opts.kv_events_base_port,
         dev_endpoints=opts.engine_dev_endpoints,
     )

@@ -29,6 +29,9 @@ class ConnectorOptions:
     lease_s: int = 30
     load_failure_policy: LoadFailurePolicy = "recompute"
     backends: tuple[str, ...] = ("UCX",)
+    #: CPU platform: use ``transport.nixl_cpu`` (progress thread that sleeps, compute thread
+    #: kept on its own core). Off on GPU, where vLLM's connector is used as is.
+    cpu_fixes: bool = False
 
     def __post_init__(self) -> None:
         if self.lease_s < 6:
@@ -36,7 +39,7 @@ class ConnectorOptions:
 
 
 def nixl_child(role: Role, options: ConnectorOptions) -> dict[str, Any]:
-    return {
+    child: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": _KV_ROLE[role],
         "kv_load_failure_policy": options.load_failure_policy,
@@ -45,6 +48,12 @@ def nixl_child(role: Role, options: ConnectorOptions) -> dict[str, Any]:
             "backends": list(options.backends),
         },
     }
+    if options.cpu_fixes:
+        child["kv_connector_module_path"] = "transport.nixl_cpu"
+        child["kv_connector_extra_config"].update(
+            {"nixl_progress_delay_us": 1000, "restore_cpu_affinity": True}
+        )
+    return child
 
 
 def kv_transfer_config(role: Role, options: ConnectorOptions | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from launch import testbed
 from tests.e2e.stack import DevStack, start_stack, stop_stack
 
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
@@ -19,6 +20,23 @@ def tiny_stack(tmp_path_factory) -> DevStack:
     yield stack
     alive = stop_stack(stack)
     assert stack.popen.returncode is not None
+    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_stack(tmp_path_factory) -> DevStack:
+    """`pdserve dev` on the default model (SmolLM2-135M-Instruct), policy auto, with the prefill
+    engine behind the throttled-link testbed when this machine can make one (root)."""
+    link = ["--link-mbit", "0"] if testbed.available() else []
+    stack = start_stack(
+        "smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
+        log_dir=tmp_path_factory.mktemp("smollm2-stack"), model_name="SmolLM2-135M-Instruct",
+        extra=["--kv-events-base-port", "17700", "--kv-cache-gib", "1", "--probe-tokens",
+               "64,256", "--reprobe-s", "5", "--engine-dev-endpoints", *link],
+    )
+    stack.prefill_url = stack.run_info()["engines"][0]["url"]
+    yield stack
+    alive = stop_stack(stack)
     assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
 
 

@@ -12,19 +12,19 @@ _WORDS = (
 ).split()
 
 
-@lru_cache(maxsize=1)
-def _tokenizer():
+@lru_cache(maxsize=2)
+def _tokenizer(model: str):
     from transformers import AutoTokenizer
 
     from launch.models import ensure_model
 
-    return AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
+    return AutoTokenizer.from_pretrained(str(ensure_model(model)))
 
 
-def text_of_tokens(n_tokens: int, seed: int) -> str:
-    """Text that the tiny model's tokenizer encodes to about ``n_tokens`` tokens."""
+def text_of_tokens(n_tokens: int, seed: int, model: str = "tiny") -> str:
+    """Text that ``model``'s tokenizer encodes to about ``n_tokens`` tokens."""
     rng = random.Random(seed)
     words = " ".join(rng.choice(_WORDS) for _ in range(n_tokens * 2))
-    tok = _tokenizer()
+    tok = _tokenizer(model)
     ids = tok.encode(words, add_special_tokens=False)[:n_tokens]
     return tok.decode(ids)

@@ -91,10 +91,10 @@ def measure_disaggregated(stack, body: dict) -> float:
     return prefill_s + decode_ttft
 
 
-def run_case(stack, doc_tokens: int, seed: int, repeats: int = 2) -> dict:
+def run_case(stack, doc_tokens: int, seed: int, repeats: int = 2, model: str = "tiny") -> dict:
     """One load-or-recompute case: a document cached on prefill only, then the proxy's choice
     and both routes measured directly on the engines (best of ``repeats``)."""
-    doc = text_of_tokens(doc_tokens, seed=seed)
+    doc = text_of_tokens(doc_tokens, seed=seed, model=model)
     body = {"model": stack.model_name, "prompt": doc + " and then", "max_tokens": 2,
             "temperature": 0}
     cache_on_prefill(stack, doc, doc_tokens)

@@ -4,25 +4,10 @@ the first thing a new user sees is a working chat."""
 from __future__ import annotations
 
 import openai
-import pytest
-
-from tests.e2e.stack import start_stack, stop_stack
 
 
-@pytest.fixture(scope="module")
-def default_stack(tmp_path_factory):
-    # Same as `pdserve dev` with no --model, on test ports; fewer probes to keep CI short.
-    stack = start_stack(
-        "smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
-        log_dir=tmp_path_factory.mktemp("default-stack"), model_name="SmolLM2-135M-Instruct",
-        extra=["--kv-events-base-port", "17700", "--kv-cache-gib", "1", "--probe-tokens", "32,128"],
-    )
-    yield stack
-    assert not stop_stack(stack)
-
-
-def test_capital_of_france(default_stack):
-    client = openai.OpenAI(base_url=default_stack.proxy_url + "/v1", api_key="-", timeout=300)
+def test_capital_of_france(smollm2_stack):
+    client = openai.OpenAI(base_url=smollm2_stack.proxy_url + "/v1", api_key="-", timeout=300)
     for route in ("any", "stream"):
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         if route == "stream":
@@ -37,23 +22,23 @@ def test_capital_of_france(default_stack):
         assert "Paris" in answer, answer
 
 
-def test_default_model_disaggregated_matches_local(default_stack):
+def test_default_model_disaggregated_matches_local(smollm2_stack):
     """Forced P/D on the real model gives the decode engine's own greedy answer."""
     import httpx
 
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Name three primary colors."}]}
-    direct = httpx.post(default_stack.decode_url + "/v1/chat/completions", json=body, timeout=300)
+    direct = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=body, timeout=300)
     from transport import kv_params
 
     pbody = dict(body, max_tokens=1, return_token_ids=True)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
-    reply = httpx.post(default_stack.prefill_url + "/v1/chat/completions", json=pbody,
+    reply = httpx.post(smollm2_stack.prefill_url + "/v1/chat/completions", json=pbody,
                        timeout=300).json()
     dbody = dict(body)
     dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(
         kv_params.parse_prefill_reply(reply))
-    pd = httpx.post(default_stack.decode_url + "/v1/chat/completions", json=dbody, timeout=300)
+    pd = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=dbody, timeout=300)
     assert pd.status_code == 200, pd.text
     assert (pd.json()["choices"][0]["message"]["content"]
             == direct.json()["choices"][0]["message"]["content"])

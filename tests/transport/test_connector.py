@@ -91,3 +91,16 @@ def test_options_are_frozen() -> None:
     options = ConnectorOptions()
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.lease_s = 1  # type: ignore[misc]
+
+
+def test_cpu_fixes_load_pdserve_nixl_connector_on_the_nixl_child_only():
+    from transport.connector import ConnectorOptions, kv_transfer_config
+
+    cfg = kv_transfer_config("decode", ConnectorOptions(cpu_fixes=True))
+    (child,) = cfg["kv_connector_extra_config"]["connectors"]
+    assert child["kv_connector_module_path"] == "transport.nixl_cpu"
+    assert child["kv_connector_extra_config"]["nixl_progress_delay_us"] > 0
+    assert child["kv_connector_extra_config"]["restore_cpu_affinity"] is True
+    assert "kv_connector_module_path" not in cfg
+    plain = kv_transfer_config("decode", ConnectorOptions())
+    assert "kv_connector_module_path" not in plain["kv_connector_extra_config"]["connectors"][0]
