@@ -39,11 +39,16 @@ def reset_decode_cache(stack, body: dict) -> None:
     vLLM publishes KV events with scheduler steps, so an idle engine's reset reaches
     subscribers only with its next step: a one-token request (shorter than a block, so it
     caches nothing) provides that step."""
-    r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
-    assert r.status_code == 200, r.text
-    httpx.post(stack.decode_url + "/v1/completions", timeout=60,
-               json={"model": stack.model_name, "prompt": "x", "max_tokens": 1})
-    wait_for(lambda: cached_on(stack, body, "decode-0") == 0, "decode index to drop the prompt")
+    def dropped() -> bool:
+        # A reset fails (vLLM logs it) while a request holds blocks, e.g. one of the proxy's
+        # link re-probes: so reset again until the index agrees.
+        r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, r.text
+        httpx.post(stack.decode_url + "/v1/completions", timeout=60,
+                   json={"model": stack.model_name, "prompt": "x", "max_tokens": 1})
+        return cached_on(stack, body, "decode-0") == 0
+
+    wait_for(dropped, "decode index to drop the prompt")
 
 
 def cache_on_prefill(stack, doc: str, doc_tokens: int) -> None:
