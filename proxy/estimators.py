@@ -16,10 +16,13 @@ they answer with the prior they were built with (start-up probes replace priors 
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from transport.cost import LinkModel, PrefillModel
+
+M = TypeVar("M", PrefillModel, LinkModel)
 
 
 def _recency_weights(n: int, half_life: float) -> np.ndarray:
@@ -43,57 +46,23 @@ def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-class PrefillFit:
-    def __init__(self, prior: PrefillModel, window: int = 64, min_samples: int = 3,
-                 half_life: float = 16.0):
-        self._half_life = half_life
-        self._prior = prior
+class _WindowFit(Generic[M]):
+    """The last ``window`` (tokens, seconds) samples and the model last fitted to them; the
+    prior until ``min_samples`` samples of at least two sizes exist."""
+
+    def __init__(self, prior: M, window: int, min_samples: int, half_life: float):
+        self._model = prior
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._min_samples = min_samples
-        self._model = prior
-
-    def observe(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens <= 0 or seconds <= 0:
-            return
-        self._samples.append((n_tokens, seconds))
-        self._refit()
+        self._half_life = half_life
+        self.last_observed_index = 0  # bumps on every sample (the re-probe loop watches it)
 
     @property
     def n_samples(self) -> int:
         return len(self._samples)
 
-    def model(self) -> PrefillModel:
+    def model(self) -> M:
         return self._model
-
-    def _refit(self) -> None:
-        ns = np.array([s[0] for s in self._samples], dtype=float)
-        if len(self._samples) < self._min_samples or len(np.unique(ns)) < 2:
-            return
-        ys = np.array([s[1] for s in self._samples])
-        # Scale columns so the quadratic term does not swamp the solve.
-        scale = np.array([1.0, 1e-3, 1e-6])
-        x = np.stack([np.ones_like(ns), ns * scale[1], ns * ns * scale[2]], axis=1)
-        # Relative errors matter (a 10 ms miss is large for a short prompt, small for a long
-        # one): weight each row by 1/y.
-        w = _recency_weights(len(ys), self._half_life) / ys
-        c = _nonneg_lstsq(x * w[:, None], ys * w) * scale
-        per_token = c[1]
-        if per_token <= 0:  # all growth explained by the quadratic term: keep a tiny linear term
-            per_token = max(1e-7, float(np.mean(ys / ns)) * 1e-3)
-        self._model = PrefillModel(fixed_s=float(c[0]), tokens_per_s=1.0 / per_token,
-                                   quad_s=float(c[2]))
-
-
-class LinkFit:
-    def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 32,
-                 min_samples: int = 3, half_life: float = 4.0):
-        self._half_life = half_life
-        self._prior = prior
-        self._kvb = kv_bytes_per_token
-        self.last_observed_index = 0  # bumps on every sample (the re-probe loop watches it)
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self._min_samples = min_samples
-        self._model = prior
 
     def observe(self, n_tokens: int, seconds: float) -> None:
         if n_tokens <= 0 or seconds <= 0:
@@ -101,21 +70,44 @@ class LinkFit:
         self._samples.append((n_tokens, seconds))
         self.last_observed_index += 1
         ns = np.array([s[0] for s in self._samples], dtype=float)
-        if len(self._samples) < self._min_samples or len(np.unique(ns)) < 2:
-            return
-        ys = np.array([s[1] for s in self._samples])
+        if len(self._samples) >= self._min_samples and len(np.unique(ns)) >= 2:
+            ys = np.array([s[1] for s in self._samples])
+            self._model = self._fit(ns, ys, _recency_weights(len(ys), self._half_life))
+
+    def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> M:
+        raise NotImplementedError
+
+
+class PrefillFit(_WindowFit[PrefillModel]):
+    def __init__(self, prior: PrefillModel, window: int = 64, min_samples: int = 3,
+                 half_life: float = 16.0):
+        super().__init__(prior, window, min_samples, half_life)
+
+    def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> PrefillModel:
+        # Scale columns so the quadratic term does not swamp the solve.
+        scale = np.array([1.0, 1e-3, 1e-6])
+        x = np.stack([np.ones_like(ns), ns * scale[1], ns * ns * scale[2]], axis=1)
+        # Relative errors matter (a 10 ms miss is large for a short prompt, small for a long
+        # one): weight each row by 1/y.
+        w = recency / ys
+        c = _nonneg_lstsq(x * w[:, None], ys * w) * scale
+        per_token = c[1]
+        if per_token <= 0:  # all growth explained by the quadratic term: keep a tiny linear term
+            per_token = max(1e-7, float(np.mean(ys / ns)) * 1e-3)
+        return PrefillModel(fixed_s=float(c[0]), tokens_per_s=1.0 / per_token,
+                            quad_s=float(c[2]))
+
+
+class LinkFit(_WindowFit[LinkModel]):
+    def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 32,
+                 min_samples: int = 3, half_life: float = 4.0):
+        super().__init__(prior, window, min_samples, half_life)
+        self._kvb = kv_bytes_per_token
+
+    def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> LinkModel:
         x = np.stack([np.ones_like(ns), ns * 1e-3], axis=1)
-        w = _recency_weights(len(ys), self._half_life)
-        fixed, slope = _nonneg_lstsq(x * w[:, None], ys * w) * np.array([1.0, 1e-3])
-        slope = max(slope, 1e-12)
-        self._model = LinkModel(fixed_s=float(fixed), bytes_per_s=self._kvb / slope)
-
-    @property
-    def n_samples(self) -> int:
-        return len(self._samples)
-
-    def model(self) -> LinkModel:
-        return self._model
+        fixed, slope = _nonneg_lstsq(x * recency[:, None], ys * recency) * np.array([1.0, 1e-3])
+        return LinkModel(fixed_s=float(fixed), bytes_per_s=self._kvb / max(slope, 1e-12))
 
 
 class TokenRatio:
