@@ -1,7 +1,7 @@
 """Tests of launch.testbed: a real netns + veth link shaped with tc, measured with real TCP.
 
 Needs root (CI has it). Not skipped when unavailable: a machine that cannot run these fails them.
-Only 10.231.0.0/24 inside namespaces this module creates is used; everything is removed at the end.
+Only 10.232.0.0/24 inside namespaces this module creates is used; everything is removed at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from launch.testbed import (
 )
 
 NAME = "pdtbtest"
-OCTET = 231
+OCTET = 232  # the dev-mode link (pdtb) uses 231 and may be up in the same session
 
 
 def _netns_names() -> list[str]:
@@ -93,7 +93,7 @@ def test_names_and_wrap() -> None:
     tl = ThrottledLink(NAME, OCTET)
     assert tl.netns == NAME
     assert tl.host_device == f"{NAME}-h" and tl.ns_device == f"{NAME}-n"
-    assert tl.host_addr == "10.231.0.1" and tl.ns_addr == "10.231.0.2"
+    assert tl.host_addr == "10.232.0.1" and tl.ns_addr == "10.232.0.2"
     assert tl.wrap(["python", "-V"]) == ["ip", "netns", "exec", NAME, "python", "-V"]
     with pytest.raises(ValueError):
         ThrottledLink("a-name-too-long-for-ifnames")
@@ -108,15 +108,15 @@ def test_topology(link: ThrottledLink) -> None:
     assert link.host_device in _links()
     assert link.ns_device not in _links()  # the other end lives inside the netns
     host = _run(["ip", "-o", "-4", "addr", "show", "dev", link.host_device]).stdout
-    assert "10.231.0.1/24" in host
+    assert "10.232.0.1/24" in host
     inside = _run(["ip", "-n", NAME, "-o", "-4", "addr", "show"]).stdout
-    assert "10.231.0.2/24" in inside and "127.0.0.1/8" in inside
+    assert "10.232.0.2/24" in inside and "127.0.0.1/8" in inside
     lo = _run(["ip", "-n", NAME, "-o", "link", "show", "dev", "lo"]).stdout
     assert "UP" in lo
     # No route out of the netns other than the link itself.
     routes = _run(["ip", "-n", NAME, "-4", "route", "show"]).stdout
     assert "default" not in routes
-    assert routes.strip().startswith("10.231.0.0/24")
+    assert routes.strip().startswith("10.232.0.0/24")
 
 
 def test_both_sides_reach_each_other(link: ThrottledLink) -> None:
