@@ -150,7 +150,7 @@ def save_results(
     payload = {"benchmark": name, **payload}
     payload.setdefault("machine", machine_info())
     payload["machine"].setdefault("loadavg_at_end", os.getloadavg())
-    json_path.write_text(json.dumps(payload, indent=1, default=_json_default) + "\n")
+    json_path.write_text(dumps_compact(payload) + "\n")
     png_path = None
     if plot is not None:
         import matplotlib
@@ -165,6 +165,22 @@ def save_results(
         fig.savefig(png_path, dpi=110)
         plt.close(fig)
     return json_path, png_path
+
+
+def dumps_compact(obj: Any, indent: str = "") -> str:
+    """Indented JSON, but every list of plain values (raw samples) on one line."""
+    obj = json.loads(json.dumps(obj, default=_json_default))  # normalise (tuples, Paths, ...)
+    return _dump(obj, indent)
+
+
+def _dump(obj: Any, indent: str) -> str:
+    inner = indent + " "
+    if isinstance(obj, dict) and obj:
+        items = [f"{inner}{json.dumps(k)}: {_dump(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + indent + "}"
+    if isinstance(obj, list) and obj and any(isinstance(v, (dict, list)) for v in obj):
+        return "[\n" + ",\n".join(inner + _dump(v, inner) for v in obj) + "\n" + indent + "]"
+    return json.dumps(obj)
 
 
 def _json_default(obj: Any) -> Any:

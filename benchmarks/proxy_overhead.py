@@ -223,8 +223,8 @@ async def run_block(session: aiohttp.ClientSession, request: Request, n: int, co
         "errors": [r.get("error") for r in results if not r.get("ok")][:5],
         "wall_s": wall,
         "rate_rps": len(ok) / wall if wall else 0.0,
-        "ttft_ms": [r["ttft_s"] * 1e3 for r in ok],
-        "total_ms": [r["total_s"] * 1e3 for r in ok],
+        "ttft_ms": [round(r["ttft_s"] * 1e3, 3) for r in ok],
+        "total_ms": [round(r["total_s"] * 1e3, 3) for r in ok],
         "cpu_ms_per_request": cpu,
     }
 

@@ -32,6 +32,8 @@ def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") 
     busy = []
     for purpose, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # Like the servers themselves: a port left in TIME_WAIT by a stopped run is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:

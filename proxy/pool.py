@@ -20,6 +20,7 @@ from proxy.prefix_index import PrefixIndex
 from transport.kv_events import AllCleared
 
 log = logging.getLogger(__name__)
+SLOW_PROBES_TO_MARK_DOWN = 3
 Role = Literal["prefill", "decode"]
 
 
@@ -33,6 +34,7 @@ class Engine:
     #: What this engine has cached (fed by its KV events; empty without them).
     index: PrefixIndex = field(default_factory=PrefixIndex)
     events_endpoint: str | None = None
+    slow_probes: int = 0
     #: Requests the engine itself reports running + waiting (from its /metrics, each probe).
     engine_requests: int = 0
     #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.
@@ -126,8 +128,17 @@ class EnginePool:
                 status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
                 if status == 200:
                     engine.update_load(text)
-        except (EngineUnreachable, EngineTimeout):
+        except EngineUnreachable:
             ok = False
+        except EngineTimeout:
+            # A busy engine can answer a probe late; only a run of slow probes takes it out
+            # (a refused connection or a failed request still marks it down at once).
+            engine.slow_probes += 1
+            if engine.healthy and engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN:
+                return True
+            ok = False
+        else:
+            engine.slow_probes = 0
         self._set_health(engine, ok)
         return ok
 

@@ -137,3 +137,22 @@ def test_link_fit_follows_a_link_that_slows_down():
     for n in (1024, 256, 1024, 1024):
         fit.observe(n, 0.02 + n * KVB / 2.5e6)  # throttled to 20 Mbit/s
     assert fit.model().bytes_per_s < 10e6
+
+
+async def test_one_slow_health_probe_does_not_take_an_engine_out():
+    from proxy.engine_client import EngineTimeout
+    from proxy.metrics import ProxyMetrics
+    from proxy.pool import SLOW_PROBES_TO_MARK_DOWN, EnginePool
+
+    class SlowClient:
+        name, base_url = "decode-0", "http://x"
+
+        async def get_text(self, path, timeout_s):
+            raise EngineTimeout("slow")
+
+    pool = EnginePool([], [SlowClient()], ProxyMetrics())
+    (engine,) = pool.decode
+    engine.healthy = True
+    for _ in range(SLOW_PROBES_TO_MARK_DOWN - 1):
+        assert await pool.probe(engine) is True and engine.healthy
+    assert await pool.probe(engine) is False and not engine.healthy
