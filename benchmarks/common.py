@@ -193,16 +193,7 @@ def _json_default(obj: Any) -> Any:
 
 # --- HTTP helpers -----------------------------------------------------------------------------
 
-
-def http_status(url: str, timeout_s: float = 2.0) -> int:
-    """Status of a GET (0 when nothing answered)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return 0
+from tests.e2e.stack import http_status  # noqa: E402  (one GET-status helper for tests and benchmarks)
 
 
 @dataclass

@@ -33,7 +33,8 @@ class DevStack:
         return self.output_path.read_text(errors="replace")
 
 
-def _get(url: str, timeout: float = 2.0) -> int:
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """Status of a GET (0 when nothing answered)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return r.status
@@ -63,7 +64,7 @@ def start_stack(
         f"http://127.0.0.1:{engine_base_port + 1}", log_dir, output_path, model_name,
     )
     deadline = time.monotonic() + timeout_s
-    while _get(stack.proxy_url + "/health") != 200:
+    while http_status(stack.proxy_url + "/health") != 200:
         if popen.poll() is not None:
             raise RuntimeError(f"pdserve dev exited {popen.returncode}:\n{stack.output()[-3000:]}")
         if time.monotonic() > deadline:

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
+from live_proxy import proxy_config
 from proxy.app import create_app
-from proxy.config import ProxyConfig
 from transport.kv_params import prefill_request_params
 
 CHAT_PATH = "/v1/chat/completions"
@@ -56,19 +56,10 @@ async def proxy(
     prefill: FakeEngine | None, decode: FakeEngine, **overrides: Any
 ) -> AsyncIterator[httpx.AsyncClient]:
     """Run the proxy app (lifespan included) in front of the fakes; yield a client for it."""
-    settings: dict[str, Any] = {
-        "prefill_urls": (prefill.url,) if prefill is not None else (),
-        "decode_urls": (decode.url,),
-        "served_model_names": ("m",),
-        "policy": "disaggregate",
-        "warmup": False,
-        "health_interval_s": 3600.0,  # probes at start only; tests mark engines down themselves
-        "prefill_deadline_s": 10.0,
-        "first_byte_deadline_s": 10.0,
-        "idle_deadline_s": 10.0,
-        "total_deadline_s": 30.0,
-    }
-    app = create_app(ProxyConfig(**(settings | overrides)))
+    # Short deadlines, so the timeout tests finish quickly.
+    deadlines = {"prefill_deadline_s": 10.0, "first_byte_deadline_s": 10.0,
+                 "idle_deadline_s": 10.0, "total_deadline_s": 30.0}
+    app = create_app(proxy_config(prefill, decode, **(deadlines | overrides)))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
