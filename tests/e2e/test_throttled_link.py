@@ -31,6 +31,8 @@ from tests.e2e.routes import (
 MODEL = "smollm2"
 DOC_TOKENS = 600
 SLOW_MBIT = 20.0
+FAST_DOC_TOKENS = 1500
+FAST_MIN_MBIT = 500.0
 # The queue another client puts on the prefill engine: long enough (tens of seconds) that the
 # proxy's once-a-second look at the engine's metrics cannot miss it.
 FLOOD_PROMPTS = 8
@@ -44,11 +46,7 @@ def link_stack(smollm2_stack):
 
 def test_slow_link_recomputes(link_stack):
     """At 20 Mbit/s moving a 600-token prefix (27 MB of KV) takes ~11 s, recomputing it a few:
-    the proxy must measure the slow link and route local, and local must be measurably faster.
-
-    (The mirror case, a link fast enough that moving cached KV beats recomputing it, did not
-    occur on these CPU machines even unthrottled: the hand-over costs more than the recompute it
-    saves. benchmarks/load_or_recompute.py sweeps it and reports the measured crossover.)"""
+    the proxy must measure the slow link and route local, and local must be measurably faster."""
     link = ThrottledLink.attach()
     link.set_rate(LinkSpec(SLOW_MBIT))
     try:
@@ -62,6 +60,19 @@ def test_slow_link_recomputes(link_stack):
         assert slow["estimate"] and "local=" in slow["estimate"]  # the prediction travelled
     finally:
         link.set_rate(LinkSpec(None))
+
+
+def test_fast_link_moves_kv(link_stack):
+    """Unthrottled (veth, ~10 Gbit/s): moving a long cached prefix (70 MB of KV) takes tens of
+    milliseconds, recomputing it seconds: the proxy must pick disaggregated, and it must be
+    measurably faster than local."""
+    wait_for(lambda: min(v["bytes_per_s"] for v in costs(link_stack)["links"].values())
+             > FAST_MIN_MBIT * 1e6 / 8, "the link estimate to recover")
+    fast = run_case(link_stack, FAST_DOC_TOKENS, seed=404, model=MODEL, repeats=1)
+    print("fast link:", fast)
+    assert fast["route"] == "disaggregated", fast
+    assert fast["disaggregated"] < fast["local"], fast
+    assert fast["estimate"] and "disaggregated=" in fast["estimate"]
 
 
 def test_busy_prefill_sends_request_local(link_stack):
