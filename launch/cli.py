@@ -53,6 +53,36 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start-timeout-s", type=float, default=600.0)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="breakeven link bandwidth and crossover prompt length for a model",
+        description="Is moving KV worth it on this link? Prints the breakeven bandwidth and the "
+                    "cached-prompt length from which moving KV beats recomputing it.")
+    p.add_argument("--model", required=True,
+                   help="a config.json, a HF model directory, or 'smollm2' / 'tiny'")
+    p.add_argument("--prefill-rate", type=float, required=True,
+                   help="prefill throughput of one engine, tokens/s")
+    p.add_argument("--link", action="append", default=None,
+                   help="a preset (nvlink, pcie5, pcie4, rdma400, rdma200, eth100, eth25, "
+                        "eth10) or Gb/s; repeatable (default: every preset)")
+    p.add_argument("--fixed-ms", type=float, default=None,
+                   help="per-transfer fixed cost (default: the preset's, 1 ms for a number)")
+    p.add_argument("--kv-dtype", default="bfloat16")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads split)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from launch.plan import PRESETS, load_config, plan, render, resolve_link
+
+    links = [resolve_link(x, args.fixed_ms) for x in (args.link or list(PRESETS))]
+    plans = plan(load_config(args.model), args.kv_dtype, args.tp, args.prefill_rate, links)
+    print(json.dumps([p.as_dict() for p in plans], indent=2) if args.json else render(plans))
+    return 0
+
+
 def _model_name(model: str) -> str:
     return {"smollm2": "SmolLM2-135M-Instruct", "tiny": "pdserve-tiny"}.get(
         model, Path(model).name if os.path.isdir(model) else model
@@ -96,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_dev(sub)
+    _add_plan(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -104,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "dev":
             return _run_dev(args)
+        if args.command == "plan":
+            return _run_plan(args)
     except (PortBusy, EngineFailed, ValueError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
