@@ -41,7 +41,7 @@ import zmq.asyncio
 from proxy.costs import RouteCosts
 from proxy.kv_event_feed import run_feed
 from proxy.tokens import PromptTokenizer
-from proxy.warmup import probe_routes, reprobe_links, warm_up_pairs
+from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_pairs
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,8 @@ class ProxyState:
         finally:
             self.warmed = True  # failures are logged; requests are served either way
         if self.config.reprobe_s > 0 and self.config.probe_tokens:
-            # Mid-sized: long enough to see the bandwidth, short enough to be cheap.
-            size = sorted(self.config.probe_tokens)[len(self.config.probe_tokens) // 2]
-            await reprobe_links(self.orchestrator, model, size, self.config.reprobe_s)
+            await reprobe_links(self.orchestrator, model,
+                                reprobe_sizes(self.config.probe_tokens), self.config.reprobe_s)
 
     async def stop(self) -> None:
         for task in self._tasks:

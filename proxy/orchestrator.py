@@ -155,8 +155,7 @@ class Orchestrator:
             if not req.stream:
                 return Reply(trace.route, 200, await self._decode_whole(trace, req, body),
                              out_headers)
-            with self.pool.using(trace.decode):
-                stream = await self._open_decode(trace, req, body)
+            stream = await self._open_decode(trace, req, body)
         except asyncio.CancelledError:
             self._end_decode_work(trace)
             stage = "before_response"
@@ -267,18 +266,32 @@ class Orchestrator:
     # -- decode leg ----------------------------------------------------------------------------
     async def _open_decode(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]
                            ) -> EngineStream:
-        decode = trace.decode
-        trace.t_decode_sent = time.perf_counter()
-        try:
-            stream = await decode.client.open_stream(
-                req.path, body, {"x-request-id": req.request_id},
-                self.deadlines.first_byte_s, self.deadlines.idle_s,
-            )
-        except EngineUnreachable:
-            self.pool.mark_down(decode)
-            raise UpstreamError("the decode engine is unreachable") from None
-        except EngineTimeout:
-            raise StageTimeout("the decode engine did not answer in time") from None
+        """Send the decode request. A decode engine that cannot be reached has seen nothing of
+        the request, so it goes to another healthy decode engine (once each) before failing;
+        any decode engine can pull the prefill's KV."""
+        tried: set[str] = set()
+        while True:
+            decode = trace.decode
+            tried.add(decode.name)
+            trace.t_decode_sent = time.perf_counter()
+            try:
+                with self.pool.using(decode):
+                    stream = await decode.client.open_stream(
+                        req.path, body, {"x-request-id": req.request_id},
+                        self.deadlines.first_byte_s, self.deadlines.idle_s,
+                    )
+                break
+            except EngineUnreachable:
+                self.pool.mark_down(decode)
+                other = self.pool.pick_decode()
+                if other is None or other.name in tried:
+                    raise UpstreamError("the decode engine is unreachable") from None
+                log.warning("decode %s unreachable: retrying %s on %s", decode.name,
+                            req.request_id, other.name)
+                self.metrics.fallbacks_total.labels("decode_retried").inc()
+                self._switch_decode(trace, other)
+            except EngineTimeout:
+                raise StageTimeout("the decode engine did not answer in time") from None
         trace.decode_answered = True
         if stream.status != 200:
             try:
@@ -288,9 +301,18 @@ class Orchestrator:
             raise from_engine_error(stream.status, data)
         return stream
 
+    def _switch_decode(self, trace: _Trace, other: Engine) -> None:
+        """Move the request's decode (and its queued local prompt work) to ``other``."""
+        local_work = trace.queued_tokens
+        self._end_decode_work(trace)
+        trace.decode = other
+        if local_work:
+            trace.queued_tokens = local_work
+            trace.decode_was_idle = self.costs.begin(other.name, local_work)
+
     async def _decode_whole(self, trace: _Trace, req: ApiRequest, body: dict[str, Any]) -> bytes:
+        stream = await self._open_decode(trace, req, body)
         with self.pool.using(trace.decode):
-            stream = await self._open_decode(trace, req, body)
             try:
                 async with asyncio.timeout(self.deadlines.total_s):
                     data = await stream.read_all()

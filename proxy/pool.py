@@ -1,15 +1,20 @@
 """The set of prefill and decode engines the proxy routes across, with health and load.
 
-Health is probed in the background and marked down at once on a failed call. Load is the number
-of requests this proxy has in flight on each engine. ``pick_*`` return the least-loaded healthy
-engine, or None.
+Health is probed in the background and marked down at once on a failed call. Load is what this
+proxy has in flight on each engine plus what the engine itself reports running and waiting for
+other clients. ``pick_*`` return the least-loaded healthy engine that is not draining, or None.
+
+Membership is fixed (dev mode: the urls in the config) or reconciled from a directory
+(:meth:`EnginePool.reconcile`, Ray mode): new engines join unhealthy until probed, an engine
+whose url changed (restarted elsewhere) is replaced, and a vanished one leaves. Draining engines
+finish what they have but get nothing new (scale-down).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,6 +45,8 @@ class Engine:
     #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.
     mean_prompt_tokens: float | None = None
     _totals: tuple[float, float] | None = None  # (prompt tokens, finished requests) last probe
+    #: Scale-down in progress: serves what it has, is picked for nothing new.
+    draining: bool = False
 
     def update_load(self, metrics_text: str) -> None:
         load = parse_engine_load(metrics_text)
@@ -64,6 +71,16 @@ class Engine:
         return self.client.name
 
 
+@dataclass(frozen=True)
+class EndpointInfo:
+    """One engine as a directory (Ray mode) reports it."""
+
+    name: str
+    role: Role
+    url: str
+    kv_events: str | None = None
+
+
 class EnginePool:
     def __init__(
         self,
@@ -84,6 +101,51 @@ class EnginePool:
 
     def all(self) -> list[Engine]:
         return [*self.prefill, *self.decode]
+
+    def get(self, name: str) -> Engine | None:
+        return next((e for e in self.all() if e.name == name), None)
+
+    def reconcile(
+        self, infos: Sequence[EndpointInfo], make_client: Callable[[str, str], EngineClient]
+    ) -> tuple[list[Engine], list[Engine]]:
+        """Make the pool match ``infos``; return (engines added, engines removed).
+
+        An engine whose url changed is a new engine (a restart: empty cache, NIXL handshake
+        to redo); in-flight requests keep the object they hold and end on their own."""
+        wanted = {i.name: i for i in infos}
+        removed = [e for e in self.all()
+                   if e.name not in wanted or e.client.base_url != wanted[e.name].url]
+        for e in removed:
+            self._set_health(e, False)
+            (self.prefill if e.role == "prefill" else self.decode).remove(e)
+        have = {e.name for e in self.all()}
+        added = []
+        for info in infos:
+            if info.name in have:
+                continue
+            engine = Engine(info.role, make_client(info.name, info.url),
+                            events_endpoint=info.kv_events or None)
+            (self.prefill if info.role == "prefill" else self.decode).append(engine)
+            added.append(engine)
+        for e in added + removed:
+            log.info("engine %s (%s) %s: %s", e.name, e.role,
+                     "joined" if e in added else "left", e.client.base_url)
+        return added, removed
+
+    def drain(self, names: Sequence[str]) -> None:
+        for e in self.all():
+            if e.name in names:
+                e.draining = True
+
+    async def wait_idle(self, names: Sequence[str], timeout_s: float) -> bool:
+        """Wait until none of ``names`` has a request of this proxy in flight."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(e.inflight for e in self.all() if e.name in names):
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     def pick_prefill(self) -> Engine | None:
         return _least_loaded(self.prefill)
@@ -175,5 +237,7 @@ def engine_load(metrics_text: str) -> int:
 
 
 def _least_loaded(engines: Sequence[Engine]) -> Engine | None:
-    healthy = [e for e in engines if e.healthy]
-    return min(healthy, key=lambda e: e.inflight) if healthy else None
+    """Fewest requests in flight (this proxy's plus what the engine reports for other clients);
+    ties go to the engine listed first."""
+    usable = [e for e in engines if e.healthy and not e.draining]
+    return min(usable, key=lambda e: e.inflight + e.foreign_requests) if usable else None

@@ -25,8 +25,8 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
             return False
         await asyncio.sleep(0.2)
     ok = True
-    for p in pool.prefill:
-        for d in pool.decode:
+    for p in list(pool.prefill):
+        for d in list(pool.decode):
             ok &= await _warm_pair(p.client, d.client, model)
     log.info("warm-up %s", "done" if ok else "failed")
     return ok
@@ -49,22 +49,34 @@ async def _warm_pair(prefill, decode, model: str) -> bool:
         return False
 
 
-async def reprobe_links(orchestrator, model: str, probe_tokens: int, interval_s: float) -> None:
+async def reprobe_links(orchestrator, model: str, probe_tokens: tuple[int, ...],
+                        interval_s: float) -> None:
     """Keep every pair's link estimate fresh: when a pair measured no hand-over for
     ``interval_s`` (because the policy routed everything local, say), send one disaggregated
-    probe through it. Without this a link that recovered would never be tried again."""
+    probe through it. Without this a link that recovered would never be tried again.
+
+    Probes alternate between the given sizes: a link's fixed cost and bandwidth can only be
+    told apart from hand-overs of different sizes at the same link speed."""
     pool, costs = orchestrator.pool, orchestrator.costs
     seen: dict[tuple[str, str], int] = {}
+    sent: dict[tuple[str, str], int] = {}
     while True:
         await asyncio.sleep(interval_s)
-        for p in pool.prefill:
-            for d in pool.decode:
+        for p in list(pool.prefill):
+            for d in list(pool.decode):
                 key = (p.name, d.name)
                 count = costs.link_samples(*key)
                 if p.healthy and d.healthy and seen.get(key) == count:
-                    await _probe(orchestrator, model, probe_tokens, "disaggregated",
-                                 prefill=p, decode=d)
+                    n = probe_tokens[sent.get(key, 0) % len(probe_tokens)]
+                    sent[key] = sent.get(key, 0) + 1
+                    await _probe(orchestrator, model, n, "disaggregated", prefill=p, decode=d)
                 seen[key] = costs.link_samples(*key)
+
+
+def reprobe_sizes(probe_tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """The smallest and the middle start-up probe: cheap, and two sizes apart."""
+    ordered = sorted(set(probe_tokens))
+    return tuple(dict.fromkeys((ordered[0], ordered[len(ordered) // 2])))
 
 
 async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, decode=None
@@ -104,6 +116,6 @@ async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) 
     for _ in range(2):  # twice: the first round still pays one-off warm-up costs
         for n in probe_tokens:
             for route in ("local", "disaggregated"):
-                for p in orchestrator.pool.prefill:
-                    for d in orchestrator.pool.decode:
+                for p in list(orchestrator.pool.prefill):
+                    for d in list(orchestrator.pool.decode):
                         await _probe(orchestrator, model, n, route, prefill=p, decode=d)
