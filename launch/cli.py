@@ -53,6 +53,100 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start-timeout-s", type=float, default=600.0)
 
 
+def _add_ray(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ray", help="engines as Ray actors on a cluster, proxy in front")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto' on a ray-up head); default: start a local one")
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' / 'tiny' (built on every node) or a model directory present "
+                        "on every node")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="decode engines")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="one GPU per engine, or one CPU (auto: GPU if the cluster has any)")
+    p.add_argument("--num-cpus", type=int, default=None,
+                   help="logical CPUs of a local cluster (default: Ray's count)")
+    p.add_argument("--namespace", default="pdserve",
+                   help="Ray namespace of this deployment's engine actors")
+    p.add_argument("--max-restarts", type=int, default=-1,
+                   help="restarts of a dead engine's actor (-1: always)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="auto")
+    p.add_argument("--probe-tokens", default="64,256,1024")
+    p.add_argument("--reprobe-s", type=float, default=30.0)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--lease-s", type=int, default=30)
+    p.add_argument("--engine-dev-endpoints", action="store_true")
+    p.add_argument("--prefill-deadline-s", type=float, default=120.0)
+    p.add_argument("--first-byte-deadline-s", type=float, default=120.0)
+    p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--max-queued", type=int, default=256)
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--log-dir", default="/tmp/pdserve-ray-logs",
+                   help="engine logs, on each engine's node")
+    p.add_argument("--start-timeout-s", type=float, default=900.0)
+
+
+def _run_ray(args: argparse.Namespace) -> int:
+    from launch.models import ensure_model
+    from launch.ray_engine import EngineTemplate
+    from launch.ray_mode import RayOptions, run_ray
+
+    if args.prefill < 0 or args.decode < 1:
+        raise ValueError("need --decode >= 1 and --prefill >= 0")
+    path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    template = EngineTemplate(
+        model=args.model if args.model in ("tiny", "smollm2") else str(path),
+        served_model_name=args.served_model_name or _model_name(args.model),
+        kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, lease_s=args.lease_s,
+        dev_endpoints=args.engine_dev_endpoints, log_dir=args.log_dir,
+    )
+    return run_ray(RayOptions(
+        template=template, model_path=str(path), prefill=args.prefill, decode=args.decode,
+        address=args.address, namespace=args.namespace, local_num_cpus=args.num_cpus,
+        accelerator=args.accelerator, max_restarts=args.max_restarts, host=args.host,
+        port=args.port, policy=args.policy,
+        probe_tokens=tuple(int(x) for x in args.probe_tokens.split(",") if x.strip()),
+        reprobe_s=args.reprobe_s, api_key=args.api_key, start_timeout_s=args.start_timeout_s,
+        prefill_deadline_s=args.prefill_deadline_s,
+        first_byte_deadline_s=args.first_byte_deadline_s, max_inflight=args.max_inflight,
+        max_queued=args.max_queued,
+    ))
+
+
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="grow or shrink a running Ray-mode deployment")
+    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("replicas", type=int)
+    p.add_argument("--proxy", default="http://127.0.0.1:8000", help="the proxy's base url")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--timeout-s", type=float, default=900.0)
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        args.proxy.rstrip("/") + "/pd/admin/scale", method="POST",
+        data=json.dumps({"role": args.role, "replicas": args.replicas}).encode(),
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout_s) as r:
+            print(r.read().decode())
+            return 0
+    except urllib.error.HTTPError as e:
+        print(f"pdserve: error: {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr)
+    except OSError as e:
+        print(f"pdserve: error: cannot reach {args.proxy}: {e}", file=sys.stderr)
+    return 2
+
+
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="breakeven link bandwidth and crossover prompt length for a model",
@@ -126,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_dev(sub)
+    _add_ray(sub)
+    _add_scale(sub)
     _add_plan(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -135,9 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "dev":
             return _run_dev(args)
+        if args.command == "ray":
+            return _run_ray(args)
+        if args.command == "scale":
+            return _run_scale(args)
         if args.command == "plan":
             return _run_plan(args)
-    except (PortBusy, EngineFailed, ValueError) as exc:
+    except (PortBusy, EngineFailed, ValueError, RuntimeError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -73,7 +73,17 @@ class EngineProcess:
             return False
 
 
-def start_engine(spec: EngineSpec, log_dir: Path) -> EngineProcess:
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM me when my parent dies (Linux), so an engine never
+    outlives a Ray actor that was killed outright. vLLM's server stops its workers on SIGTERM."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False
+                 ) -> EngineProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
     log_file = open(log_path, "wb")
@@ -84,6 +94,7 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> EngineProcess:
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        preexec_fn=_die_with_parent if die_with_parent else None,
     )
     log_file.close()
     return EngineProcess(spec, popen, log_path)

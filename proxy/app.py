@@ -34,7 +34,8 @@ from proxy.errors import (
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
-from proxy.pool import EnginePool
+from proxy.directory import Directory, Scaler
+from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest, Endpoint, check_content_type, check_request, parse_body
 import zmq.asyncio
 
@@ -49,8 +50,13 @@ log = logging.getLogger(__name__)
 class ProxyState:
     """What the routes share: config, pool, orchestrator, metrics and background tasks."""
 
-    def __init__(self, config: ProxyConfig):
+    def __init__(self, config: ProxyConfig, directory: Directory | None = None,
+                 scaler: Scaler | None = None):
         self.config = config
+        self.directory = directory
+        self.scaler = scaler
+        self._feeds: dict[Engine, asyncio.Task] = {}
+        self._scale_lock = asyncio.Lock()
         self.metrics = ProxyMetrics()
         self.warmed = not config.warmup
         self.session = None
@@ -76,20 +82,69 @@ class ProxyState:
             tokenizer = await asyncio.to_thread(PromptTokenizer, self.config.tokenizer)
         self._zmq = zmq.asyncio.Context()
         for engine in self.pool.all():
-            if engine.events_endpoint:
-                self._tasks.append(asyncio.create_task(
-                    run_feed(engine.events_endpoint, engine.index, self._zmq)))
+            self._start_feed(engine)
         self.costs = RouteCosts(self.config.kv_bytes_per_token or 1)
         self.orchestrator = Orchestrator(
             self.pool, parse_policy(self.config.policy), self.config.deadlines(), self.metrics,
             self.costs, tokenizer,
         )
+        if self.directory is not None:
+            await self.discover()
+            self._tasks.append(asyncio.create_task(self._discovery_loop()))
         await self.pool.probe_all()
         self._tasks.append(
             asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s))
         )
         if not self.warmed:
             self._tasks.append(asyncio.create_task(self._warm_up()))
+
+    def _start_feed(self, engine: Engine) -> None:
+        if engine.events_endpoint and self._zmq is not None:
+            self._feeds[engine] = asyncio.create_task(
+                run_feed(engine.events_endpoint, engine.index, self._zmq))
+
+    async def discover(self) -> None:
+        """Reconcile the pool with the directory: new engines get a KV-event feed and a health
+        probe at once; gone or restarted ones lose theirs."""
+        assert self.directory is not None and self.pool is not None
+        infos = await self.directory.endpoints()
+        added, removed = self.pool.reconcile(
+            infos, lambda name, url: EngineClient(name, url, self.session))
+        for engine in removed:
+            if (task := self._feeds.pop(engine, None)) is not None:
+                task.cancel()
+        for engine in added:
+            self._start_feed(engine)
+        if added:
+            await asyncio.gather(*(self.pool.probe(e) for e in added))
+
+    async def _discovery_loop(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.discover()
+            except Exception:  # a directory hiccup must not stop discovery
+                log.exception("engine discovery failed; keeping the current pool")
+
+    async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict:
+        """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
+        flight is dropped), newest engines go first."""
+        assert self.scaler is not None and self.pool is not None
+        async with self._scale_lock:
+            names = await self.scaler.replicas(role)  # type: ignore[arg-type]
+            added: list[str] = []
+            removed: list[str] = []
+            drained = True
+            if replicas > len(names):
+                added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
+            elif replicas < len(names):
+                removed = names[replicas:]
+                self.pool.drain(removed)
+                drained = await self.pool.wait_idle(removed, drain_timeout_s)
+                await self.scaler.remove(removed)
+            await self.discover()
+            return {"role": role, "replicas": replicas, "added": added, "removed": removed,
+                    "drained": drained}
 
     async def _warm_up(self) -> None:
         """Handshake every pair, seed the cost model, report ready, then keep links measured."""
@@ -105,9 +160,10 @@ class ProxyState:
                                 reprobe_sizes(self.config.probe_tokens), self.config.reprobe_s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._feeds.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.session is not None:
@@ -153,8 +209,11 @@ def _render(result: Reply | Stream) -> Response:
     return StreamingResponse(result.chunks, media_type="text/event-stream", headers=result.headers)
 
 
-def create_app(config: ProxyConfig) -> FastAPI:
-    state = ProxyState(config)
+def create_app(config: ProxyConfig, directory: Directory | None = None,
+               scaler: Scaler | None = None) -> FastAPI:
+    """The proxy app. ``directory`` adds engines found at run time to the configured ones
+    (Ray mode); ``scaler`` enables ``POST /pd/admin/scale``."""
+    state = ProxyState(config, directory, scaler)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -262,7 +321,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
             return denied
         view = state.costs.describe()
         view["engines"] = {
-            e.name: {"role": e.role, "healthy": e.healthy, "inflight": e.inflight,
+            e.name: {"role": e.role, "url": e.client.base_url, "healthy": e.healthy,
+                     "draining": e.draining, "inflight": e.inflight,
                      "engine_requests": e.engine_requests,
                      "mean_prompt_tokens": e.mean_prompt_tokens,
                      "cached_blocks": len(e.index), "block_size": e.index.block_size}
@@ -289,6 +349,27 @@ def create_app(config: ProxyConfig) -> FastAPI:
             engines[e.name] = {"cached_tokens": e.index.cached_tokens(ids), "by_tier": tiers}
         return Response(_dumps({"prompt_tokens": len(ids), "engines": engines}),
                         media_type="application/json")
+
+    @app.post("/pd/admin/scale")
+    async def scale(request: Request) -> Response:
+        """``{"role": "prefill"|"decode", "replicas": N}``: add engines, or drain and remove
+        the newest ones. Always requires the API key when one is set."""
+        try:
+            check_auth(request)
+            if state.scaler is None:
+                raise InvalidRequest("this deployment cannot scale (dev mode); use pdserve ray")
+            body = parse_body(await request.body(), config.body_limit_bytes)
+            role, replicas = body.get("role"), body.get("replicas")
+            if role not in ("prefill", "decode"):
+                raise InvalidRequest("'role' must be 'prefill' or 'decode'", param="role")
+            if not isinstance(replicas, int) or isinstance(replicas, bool) or not (
+                    (1 if role == "decode" else 0) <= replicas <= 64):
+                raise InvalidRequest("'replicas' must be an integer from "
+                                     f"{1 if role == 'decode' else 0} to 64", param="replicas")
+        except ProxyError as err:
+            return _error_response(err)
+        result = await state.scale(role, replicas, config.total_deadline_s)
+        return Response(_dumps(result), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,4 +1,6 @@
-"""Real-engine fixtures: one tiny-model `pdserve dev` stack per test session."""
+"""Real-engine fixtures: one tiny-model and one SmolLM2 `pdserve dev` stack, shared by this
+package's tests and stopped when they are done (before tests/ray/ starts its own engines: this
+box has memory for one set at a time)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from tests.e2e.stack import DevStack, start_stack, stop_stack
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_stack(tmp_path_factory) -> DevStack:
     stack = start_stack(
         "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
@@ -23,7 +25,7 @@ def tiny_stack(tmp_path_factory) -> DevStack:
     assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def smollm2_stack(tmp_path_factory) -> DevStack:
     """`pdserve dev` on the default model (SmolLM2-135M-Instruct), policy auto, with the prefill
     engine behind the throttled-link testbed when this machine can make one (root)."""

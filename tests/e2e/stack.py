@@ -86,7 +86,7 @@ def stop_stack(stack: DevStack, timeout_s: float = 60.0) -> list[int]:
             stack.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
             stack.popen.kill()
-    alive = [p for p in pids if _alive(p)]
+    alive = [p for p in pids if group_alive(p)]
     for p in alive:  # never leave engines behind, even when the test is about to fail
         try:
             os.killpg(p, signal.SIGKILL)
@@ -95,7 +95,7 @@ def stop_stack(stack: DevStack, timeout_s: float = 60.0) -> list[int]:
     return alive
 
 
-def _alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """True while any live (non-zombie) process remains in process group ``pgid``.
 
     An engine's workers (VLLM::EngineCore, VLLM::Worker) share its group, and they can outlive

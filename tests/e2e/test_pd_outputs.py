@@ -54,7 +54,7 @@ def stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, httpx.
 
 
 @pytest.mark.parametrize("n_tokens", LENGTHS)
-def test_proxy_matches_decode_engine_and_kv_moves(tiny_stack, n_tokens):
+def test_proxy_matches_decode_engine_and_kv_moves(tiny_stack, n_tokens, golden_outputs):
     text = text_of_tokens(n_tokens, seed=n_tokens)
     body = chat_body(tiny_stack.model_name, text)
     with httpx.Client(timeout=300) as client:
@@ -77,6 +77,7 @@ def test_proxy_matches_decode_engine_and_kv_moves(tiny_stack, n_tokens):
         local = direct.json()
         assert pd["choices"][0]["message"]["content"] == local["choices"][0]["message"]["content"]
         assert pd["usage"] == local["usage"]  # the prompt is counted once
+        golden_outputs[("chat", n_tokens)] = pd["choices"][0]["message"]["content"]
         assert pd["usage"]["completion_tokens"] == MAX_TOKENS
         assert len(pd["choices"][0]["message"]["content"]) > 0
 

@@ -91,8 +91,9 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float 
 
 
 @contextlib.asynccontextmanager
-async def live_proxy(config: ProxyConfig) -> AsyncIterator[LiveProxy]:
-    app = create_app(config)
+async def live_proxy(config: ProxyConfig, **app_kwargs: Any) -> AsyncIterator[LiveProxy]:
+    """``app_kwargs`` go to ``create_app`` (a directory, a scaler)."""
+    app = create_app(config, **app_kwargs)
     server = _Server(uvicorn.Config(
         app, host="127.0.0.1", port=0, lifespan="on", log_level="warning", access_log=False,
         timeout_graceful_shutdown=1,

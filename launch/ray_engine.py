@@ -1,0 +1,210 @@
+"""One vLLM engine hosted by a Ray actor: placed by Ray, restarted by Ray.
+
+The actor starts the engine as a child process group on its node (the same command line as dev
+mode, ``launch/engines.py``), bound to the node's routable address, on ports it reserves on that
+node. A watchdog thread ends the actor the moment the engine process exits, so Ray restarts the
+actor (``max_restarts``) and with it a fresh engine; the proxy sees the engine's url change and
+treats it as a new engine. The engine is SIGTERMed if the actor process dies outright.
+
+Nothing here imports Ray at module level except through :func:`engine_host_class`, so the
+module is importable (and unit-testable) without a cluster.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.processes import EngineProcess, start_engine, stop_engines
+from transport.connector import ConnectorOptions
+from transport.kv_size import kv_bytes_per_token_for_model
+
+log = logging.getLogger(__name__)
+
+PORT_RANGE = (21000, 29000)
+LOCK_DIR = Path("/tmp/pdserve-ports")
+
+
+@dataclass(frozen=True)
+class EngineTemplate:
+    """What every engine of a deployment shares; the actor adds role, place and ports."""
+
+    model: str  # a built-in name ("tiny", "smollm2", built on each node) or a path on every node
+    served_model_name: str
+    kv_cache_gib: float = 2.0
+    gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
+    max_model_len: int = 4096
+    lease_s: int = 30
+    dev_endpoints: bool = False
+    log_dir: str = "/tmp/pdserve-ray-logs"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class PortReservation:
+    """Ports held for this process's lifetime via per-port lock files on the node, so engine
+    actors sharing a node never pick the same port (the locks vanish with the process)."""
+
+    def __init__(self, host: str, count: int, port_range: tuple[int, int] = PORT_RANGE,
+                 lock_dir: Path = LOCK_DIR):
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        self._files = []
+        self.ports: list[int] = []
+        for port in range(*port_range):
+            if len(self.ports) == count:
+                break
+            f = open(lock_dir / f"{port}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            if not _bindable(host, port):
+                f.close()
+                continue
+            self._files.append(f)
+            self.ports.append(port)
+        if len(self.ports) < count:
+            self.release()
+            raise RuntimeError(f"no {count} free ports in {port_range} on {host}")
+
+    def release(self) -> None:
+        for f in self._files:
+            f.close()
+        self._files.clear()
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds ``ip`` (UCX must be told which one to use)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node_ip: str,
+                         ports: list[int], model_path: str) -> EngineSpec:
+    """Pure: this engine's spec on this node (ports = [http, NIXL side channel, KV events])."""
+    device = detect_device()
+    cores = os.cpu_count() or 1
+    return EngineSpec(
+        role=role,  # type: ignore[arg-type]
+        model=model_path,
+        served_model_name=template.served_model_name,
+        port=ports[0],
+        side_channel_port=ports[1],
+        kv_events_port=ports[2],
+        host=node_ip,
+        device=device,
+        # CPU: spread engines over the node's cores by ordinal (prefill-0 and decode-0 land on
+        # different cores). GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
+        cpu_cores=str((ordinal * 2 + (role == "decode")) % cores) if device == "cpu" else None,
+        kv_cache_gib=template.kv_cache_gib,
+        gpu_memory_utilization=template.gpu_memory_utilization,
+        dtype=default_dtype(device),
+        max_model_len=template.max_model_len,
+        connector=ConnectorOptions(lease_s=template.lease_s, cpu_fixes=device == "cpu"),
+        ucx_device=interface_of(node_ip),
+        dev_endpoints=template.dev_endpoints,
+    )
+
+
+class EngineHost:
+    """The actor body (wrapped by :func:`engine_host_class`). One engine per actor."""
+
+    def __init__(self, name: str, role: str, ordinal: int, template: dict[str, Any]):
+        import ray
+
+        from launch.models import ensure_model
+
+        t = EngineTemplate(**template)
+        self.name = name
+        self.role = role
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        model_path = str(ensure_model(t.model))
+        node_ip = ray.util.get_node_ip_address()
+        self._ports = PortReservation(node_ip, 3)
+        self.spec = engine_spec_for_node(t, role, ordinal, node_ip, self._ports.ports,
+                                         model_path)
+        self.kv_bytes_per_token = (kv_bytes_per_token_for_model(model_path, self.spec.dtype)
+                                   if os.path.isdir(model_path) else None)
+        self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
+                                                die_with_parent=True)
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """End the actor when the engine dies, so Ray restarts both."""
+        while not self._stopping.wait(0.25):
+            if self.proc.popen.poll() is not None:
+                log.error("%s: engine exited with %s; exiting so Ray restarts this actor",
+                          self.name, self.proc.popen.returncode)
+                try:  # whatever the server left behind (its engine-core and worker children)
+                    os.killpg(self.proc.popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "role": self.role, "url": self.spec.url,
+            "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
+            "node_ip": self.spec.host, "device": self.spec.device, "dtype": self.spec.dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
+            "restarted": self.restarted, "healthy": self.proc.healthy(),
+        }
+
+    def stop(self) -> None:
+        """Stop the engine (graceful, then forced) and let the actor be killed."""
+        self._stopping.set()
+        stop_engines([self.proc])
+        self._ports.release()
+
+
+def engine_host_class(max_restarts: int = -1):
+    """The Ray actor class: restarts the engine on death, ``max_restarts`` times (-1: always)."""
+    import ray
+
+    return ray.remote(max_restarts=max_restarts, max_task_retries=0)(EngineHost)
+
+
+def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
+    """Block until every actor's engine answers /health; raise RuntimeError naming the laggards."""
+    import ray
+
+    t0 = time.monotonic()
+    while True:
+        infos = ray.get([h.info.remote() for h in handles.values()], timeout=60)
+        pending = [i["name"] for i in infos if not i["healthy"]]
+        if progress is not None:
+            progress(time.monotonic() - t0, pending)
+        if not pending:
+            return infos
+        if time.monotonic() - t0 > timeout_s:
+            logs = ", ".join(i["log"] for i in infos if not i["healthy"])
+            raise RuntimeError(f"engines {pending} not ready after {timeout_s:.0f}s (logs: {logs})")
+        time.sleep(1.0)
+
+

@@ -1,0 +1,241 @@
+"""Ray mode: prefill and decode engines as Ray actors across a cluster, the proxy in front.
+
+``pdserve ray`` connects to a running cluster (``--address auto`` on a ``ray up`` head) or starts
+a local one, places N prefill and M decode :class:`~launch.ray_engine.EngineHost` actors with
+explicit resource requests (one GPU each on GPU clusters, one CPU here), waits for their engines,
+then serves the proxy in this process. The proxy finds engines through Ray (:class:`RayDirectory`
+lists the named actors of the deployment's namespace) and scales them through
+:class:`RayScaler` (``POST /pd/admin/scale``, or ``pdserve scale``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
+from proxy.pool import EndpointInfo
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
+INFO_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    template: EngineTemplate
+    model_path: str  # the model on this (the proxy's) node: tokenizer and KV sizing
+    prefill: int = 1
+    decode: int = 1
+    address: str | None = None  # None: start a local cluster
+    namespace: str = "pdserve"
+    local_num_cpus: int | None = None
+    accelerator: str = "auto"  # auto | cpu | gpu
+    max_restarts: int = -1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "auto"
+    probe_tokens: tuple[int, ...] = (64, 256, 1024)
+    reprobe_s: float = 30.0
+    api_key: str | None = None
+    start_timeout_s: float = 900.0
+    prefill_deadline_s: float = 120.0
+    first_byte_deadline_s: float = 120.0
+    max_inflight: int = 256
+    max_queued: int = 256
+
+
+def actor_resources(accelerator: str) -> dict[str, Any]:
+    """One GPU per engine on GPU clusters; one CPU per engine otherwise."""
+    return {"num_gpus": 1, "num_cpus": 1} if accelerator == "gpu" else {"num_cpus": 1}
+
+
+def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> str:
+    if requested in ("cpu", "gpu"):
+        return requested
+    return "gpu" if cluster_resources.get("GPU", 0) > 0 else "cpu"
+
+
+class RayScaler:
+    """Creates and stops the deployment's engine actors (names ``prefill-N``/``decode-N``)."""
+
+    def __init__(self, namespace: str, template: EngineTemplate, accelerator: str,
+                 max_restarts: int):
+        self._namespace = namespace
+        self._template = template.to_dict()
+        self._resources = actor_resources(accelerator)
+        self._cls = engine_host_class(max_restarts)
+        self.handles: dict[str, Any] = {}
+        self._next = {"prefill": 0, "decode": 0}
+
+    def create(self, role: str, count: int) -> list[str]:
+        names = []
+        for _ in range(count):
+            ordinal = self._next[role]
+            self._next[role] += 1
+            name = f"{role}-{ordinal}"
+            self.handles[name] = self._cls.options(
+                name=name, namespace=self._namespace, **self._resources
+            ).remote(name, role, ordinal, self._template)
+            names.append(name)
+        return names
+
+    async def replicas(self, role: str) -> list[str]:
+        return sorted((n for n in self.handles if n.startswith(role + "-")),
+                      key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    async def add(self, role: str, count: int) -> list[str]:
+        return self.create(role, count)
+
+    async def remove(self, names: Sequence[str]) -> None:
+        await asyncio.gather(*(self._stop(n) for n in names))
+
+    async def _stop(self, name: str) -> None:
+        import ray
+
+        handle = self.handles.pop(name, None)
+        if handle is None:
+            return
+        try:
+            await asyncio.wait_for(handle.stop.remote(), 30)
+        except Exception as exc:  # noqa: BLE001 - dead or stuck: kill it regardless
+            log.warning("stopping %s: %s", name, exc)
+        ray.kill(handle, no_restart=True)
+
+    def stop_all(self) -> None:
+        """Blocking: stop every engine, then kill the actors (used at shutdown)."""
+        import ray
+
+        refs = {n: h.stop.remote() for n, h in self.handles.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=30)
+        for h in self.handles.values():
+            ray.kill(h, no_restart=True)
+        self.handles.clear()
+
+
+class RayDirectory:
+    """The engines of one namespace, found by listing Ray's named actors and asking each for
+    its current url. An actor that is restarting (or slow to answer) keeps its last-known
+    entry; health probes decide whether it is routed to."""
+
+    def __init__(self, namespace: str):
+        self._namespace = namespace
+        self._handles: dict[str, Any] = {}
+        self._last: dict[str, EndpointInfo] = {}
+
+    def _list_names(self) -> list[str]:
+        import ray
+
+        found = ray.util.list_named_actors(all_namespaces=True)
+        return [a["name"] for a in found
+                if a.get("namespace") == self._namespace and _NAME.match(a["name"])]
+
+    async def endpoints(self) -> list[EndpointInfo]:
+        import ray
+
+        names = await asyncio.to_thread(self._list_names)
+        for gone in set(self._handles) - set(names):
+            self._handles.pop(gone, None)
+            self._last.pop(gone, None)
+
+        async def one(name: str) -> None:
+            try:
+                if name not in self._handles:
+                    self._handles[name] = await asyncio.to_thread(
+                        ray.get_actor, name, self._namespace)
+                info = await asyncio.wait_for(self._handles[name].info.remote(), INFO_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - restarting or unreachable: keep last
+                log.debug("no info from %s: %s", name, exc)
+                return
+            self._last[name] = EndpointInfo(info["name"], info["role"], info["url"],
+                                            info["kv_events"])
+
+        await asyncio.gather(*(one(n) for n in names))
+        return [self._last[n] for n in names if n in self._last]
+
+
+def _progress(elapsed: float, pending: list[str]) -> None:
+    if pending:
+        print(f"starting engines: {elapsed:5.0f}s, waiting for {', '.join(pending)}",
+              file=sys.stderr, flush=True)
+    else:
+        print(f"engines ready after {elapsed:.0f}s", file=sys.stderr, flush=True)
+
+
+def run_ray(opts: RayOptions) -> int:
+    """Run Ray mode until interrupted; return the process exit code."""
+    import ray
+    import uvicorn
+
+    from proxy.app import create_app
+    from proxy.config import ProxyConfig
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print(f"connecting to Ray ({opts.address or 'starting a local cluster'}) ...",
+          file=sys.stderr, flush=True)
+    ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
+             num_cpus=opts.local_num_cpus if opts.address is None else None,
+             log_to_driver=False, configure_logging=False)
+    accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
+    scaler = RayScaler(opts.namespace, opts.template, accelerator, opts.max_restarts)
+    try:
+        scaler.create("prefill", opts.prefill)
+        scaler.create("decode", opts.decode)
+        last = [0.0]
+
+        def progress(elapsed: float, pending: list[str]) -> None:
+            if not pending or elapsed - last[0] >= 10:
+                last[0] = elapsed
+                _progress(elapsed, pending)
+
+        infos = wait_engines_ready(scaler.handles, opts.start_timeout_s, progress)
+        kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
+        # Ordinal order: the proxy names configured engines <role>-<index>, like the actors.
+        by_role = {r: sorted((i for i in infos if i["role"] == r),
+                             key=lambda i: int(i["name"].rsplit("-", 1)[1]))
+                   for r in ("prefill", "decode")}
+        config = ProxyConfig(
+            prefill_urls=tuple(i["url"] for i in by_role["prefill"]),
+            decode_urls=tuple(i["url"] for i in by_role["decode"]),
+            prefill_kv_events=tuple(i["kv_events"] or "" for i in by_role["prefill"]),
+            decode_kv_events=tuple(i["kv_events"] or "" for i in by_role["decode"]),
+            served_model_names=(opts.template.served_model_name,),
+            policy=opts.policy,
+            api_key=opts.api_key,
+            kv_bytes_per_token=kvb,
+            probe_tokens=opts.probe_tokens,
+            reprobe_s=opts.reprobe_s,
+            prefill_deadline_s=opts.prefill_deadline_s,
+            first_byte_deadline_s=opts.first_byte_deadline_s,
+            max_inflight=opts.max_inflight,
+            max_queued=opts.max_queued,
+            tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,
+        )
+        url = f"http://{opts.host}:{opts.port}"
+        print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "
+              f"is serving {opts.template.served_model_name} at {url}/v1\n", file=sys.stderr,
+              flush=True)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler),
+            host=opts.host, port=opts.port, log_level="warning", access_log=False,
+            timeout_keep_alive=30, timeout_graceful_shutdown=10,
+        ))
+        server.run()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        print("stopping engines ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        scaler.stop_all()
+        ray.shutdown()
+        print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)

@@ -1,0 +1,33 @@
+"""How the proxy learns its engines at run time, and how it asks for more or fewer.
+
+Dev mode passes fixed urls in the config and needs neither. Ray mode (``launch/ray_mode.py``)
+implements both over Ray actors; the proxy itself never imports Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from proxy.pool import EndpointInfo, Role
+
+
+class Directory(Protocol):
+    async def endpoints(self) -> list[EndpointInfo]:
+        """Every engine that exists now (starting, ready or restarting), by name."""
+        ...
+
+
+class Scaler(Protocol):
+    async def replicas(self, role: Role) -> list[str]:
+        """Names of the engines of ``role``, oldest first."""
+        ...
+
+    async def add(self, role: Role, count: int) -> list[str]:
+        """Start ``count`` more engines of ``role``; return their names (they join the
+        directory at once and are routed to once they answer /health)."""
+        ...
+
+    async def remove(self, names: Sequence[str]) -> None:
+        """Stop these engines (the proxy has drained them)."""
+        ...

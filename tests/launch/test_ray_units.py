@@ -1,0 +1,57 @@
+"""Ray mode's pure parts: port reservations, an engine's spec on its node, resources."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
+from launch.ray_mode import actor_resources, resolve_accelerator
+
+
+def test_reservations_never_overlap_and_skip_busy_ports(tmp_path):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    rng = (port, port + 40)
+    a = PortReservation("127.0.0.1", 3, rng, tmp_path)
+    b = PortReservation("127.0.0.1", 3, rng, tmp_path)
+    assert port not in a.ports + b.ports  # listening already
+    assert not set(a.ports) & set(b.ports)
+    a.release()
+    c = PortReservation("127.0.0.1", 3, rng, tmp_path)
+    assert set(c.ports) == set(a.ports)  # released ports are reusable
+    busy.close()
+
+
+def test_reservation_is_held_by_another_process(tmp_path):
+    """The lock is per process: a second process on the node cannot take held ports."""
+    rng = (40100, 40110)
+    held = PortReservation("127.0.0.1", 2, rng, tmp_path)
+    code = ("from launch.ray_engine import PortReservation; from pathlib import Path; "
+            f"print(PortReservation('127.0.0.1', 2, {rng}, Path({str(tmp_path)!r})).ports)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert not set(eval(out)) & set(held.ports)  # noqa: S307 - a list literal we printed
+
+
+def test_engine_spec_on_a_node():
+    t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny", kv_cache_gib=0.5)
+    p = engine_spec_for_node(t, "prefill", 0, "127.0.0.1", [21000, 21001, 21002], "/m")
+    d1 = engine_spec_for_node(t, "decode", 1, "127.0.0.1", [21003, 21004, 21005], "/m")
+    assert (p.url, p.side_channel_port, p.kv_events_endpoint) == (
+        "http://127.0.0.1:21000", 21001, "tcp://127.0.0.1:21002")
+    assert p.role == "prefill" and d1.role == "decode" and p.kv_cache_gib == 0.5
+    assert p.ucx_device == "lo" == interface_of("127.0.0.1")
+    assert p.cpu_cores != d1.cpu_cores  # prefill and decode compute on different cores
+    assert p.connector.cpu_fixes and p.connector.lease_s == 30
+
+
+def test_resources_and_accelerator():
+    assert actor_resources("gpu") == {"num_gpus": 1, "num_cpus": 1}
+    assert actor_resources("cpu") == {"num_cpus": 1}
+    assert resolve_accelerator("auto", {"CPU": 8}) == "cpu"
+    assert resolve_accelerator("auto", {"CPU": 8, "GPU": 4}) == "gpu"
+    assert resolve_accelerator("cpu", {"GPU": 4}) == "cpu"

