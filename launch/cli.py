@@ -27,7 +27,8 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-tokens", default="64,256,1024",
                    help="prompt lengths of the start-up probes that seed the cost model "
                         "('' for none)")
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--kv-cache-gib", type=int, default=2,
+                   help="CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--kv-events-base-port", type=int, default=5700)
     p.add_argument("--reprobe-s", type=float, default=30.0,
                    help="re-measure a prefill->decode link after this long without a "
@@ -76,7 +77,8 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="auto")
     p.add_argument("--probe-tokens", default="64,256,1024")
     p.add_argument("--reprobe-s", type=float, default=30.0)
-    p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--kv-cache-gib", type=int, default=2,
+                   help="CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lease-s", type=int, default=30)
     p.add_argument("--engine-dev-endpoints", action="store_true")

@@ -40,7 +40,7 @@ class DevOptions:
     side_channel_base_port: int = 5600
     policy: str = "auto"
     probe_tokens: tuple[int, ...] = (64, 256, 1024)
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: int = 2
     max_model_len: int = 4096
     api_key: str | None = None
     log_dir: Path = Path(".pdserve/logs")

@@ -30,8 +30,8 @@ class EngineSpec:
     device: Device = "cpu"
     #: CPU: the cores this engine's OpenMP threads bind to ("0", "1", "0-3"); None = vLLM's choice.
     cpu_cores: str | None = None
-    #: CPU: KV cache size in GiB. GPU: share of device memory (two engines share one GPU in dev).
-    kv_cache_gib: float = 2.0
+    #: CPU: KV cache size in whole GiB (vLLM reads an int). GPU: share of device memory (two engines share one GPU in dev).
+    kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.4
     dtype: str = "auto"
     max_model_len: int = 4096
@@ -125,7 +125,7 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
     if spec.dev_endpoints:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if spec.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = f"{spec.kv_cache_gib:g}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gib))
         env["KMP_BLOCKTIME"] = "0"
         if spec.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores

@@ -40,7 +40,7 @@ class EngineTemplate:
 
     model: str  # a built-in name ("tiny", "smollm2", built on each node) or a path on every node
     served_model_name: str
-    kv_cache_gib: float = 2.0
+    kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
     max_model_len: int = 4096
     lease_s: int = 30
@@ -153,19 +153,31 @@ class EngineHost:
         self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
                                                 die_with_parent=True)
         self._stopping = threading.Event()
+        self.failed: str | None = None
         threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        """End the actor when the engine dies, so Ray restarts both."""
+        """End the actor when a working engine dies, so Ray restarts both. An engine that dies
+        before it ever became ready is a configuration or resource error a restart would only
+        repeat: it is reported (``info()["failed"]``) instead."""
+        ready = False
         while not self._stopping.wait(0.25):
-            if self.proc.popen.poll() is not None:
-                log.error("%s: engine exited with %s; exiting so Ray restarts this actor",
-                          self.name, self.proc.popen.returncode)
-                try:  # whatever the server left behind (its engine-core and worker children)
-                    os.killpg(self.proc.popen.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                os._exit(1)
+            if not ready:
+                ready = self.proc.healthy()
+            if self.proc.popen.poll() is None:
+                continue
+            try:  # whatever the server left behind (its engine-core and worker children)
+                os.killpg(self.proc.popen.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if not ready:
+                self.failed = (f"engine exited with {self.proc.popen.returncode} before it was "
+                               f"ready: {self.proc.last_log_line()!r} (log: {self.proc.log_path})")
+                log.error("%s: %s", self.name, self.failed)
+                return
+            log.error("%s: engine exited with %s; exiting so Ray restarts this actor",
+                      self.name, self.proc.popen.returncode)
+            os._exit(1)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -173,7 +185,8 @@ class EngineHost:
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
             "node_ip": self.spec.host, "device": self.spec.device, "dtype": self.spec.dtype,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
-            "restarted": self.restarted, "healthy": self.proc.healthy(),
+            "restarted": self.restarted, "failed": self.failed,
+            "healthy": self.failed is None and self.proc.healthy(),
         }
 
     def stop(self) -> None:
@@ -191,20 +204,28 @@ def engine_host_class(max_restarts: int = -1):
 
 
 def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
-    """Block until every actor's engine answers /health; raise RuntimeError naming the laggards."""
+    """Block until every actor's engine answers /health; raise RuntimeError when one failed to
+    start or time runs out, naming it and its log."""
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     t0 = time.monotonic()
     while True:
-        infos = ray.get([h.info.remote() for h in handles.values()], timeout=60)
-        pending = [i["name"] for i in infos if not i["healthy"]]
+        infos = {}
+        for name, handle in handles.items():
+            try:
+                infos[name] = ray.get(handle.info.remote(), timeout=30)
+            except (RayActorError, GetTimeoutError) as exc:  # placing, starting or restarting
+                log.debug("%s not answering yet: %s", name, exc)
+        failed = [i["failed"] for i in infos.values() if i["failed"]]
+        if failed:
+            raise RuntimeError("engine failed to start: " + "; ".join(failed))
+        pending = [n for n in handles if not infos.get(n, {}).get("healthy")]
         if progress is not None:
             progress(time.monotonic() - t0, pending)
         if not pending:
-            return infos
+            return list(infos.values())
         if time.monotonic() - t0 > timeout_s:
-            logs = ", ".join(i["log"] for i in infos if not i["healthy"])
+            logs = ", ".join(infos[n]["log"] for n in pending if n in infos)
             raise RuntimeError(f"engines {pending} not ready after {timeout_s:.0f}s (logs: {logs})")
         time.sleep(1.0)
-
-

@@ -157,7 +157,7 @@ class RayDirectory:
                 log.debug("no info from %s: %s", name, exc)
                 return
             self._last[name] = EndpointInfo(info["name"], info["role"], info["url"],
-                                            info["kv_events"])
+                                            info["kv_events"], f"{info['node_ip']}:{info['pid']}")
 
         await asyncio.gather(*(one(n) for n in names))
         return [self._last[n] for n in names if n in self._last]

@@ -321,7 +321,8 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             return denied
         view = state.costs.describe()
         view["engines"] = {
-            e.name: {"role": e.role, "url": e.client.base_url, "healthy": e.healthy,
+            e.name: {"role": e.role, "url": e.client.base_url, "instance": e.instance,
+                     "healthy": e.healthy,
                      "draining": e.draining, "inflight": e.inflight,
                      "engine_requests": e.engine_requests,
                      "mean_prompt_tokens": e.mean_prompt_tokens,

@@ -47,6 +47,8 @@ class Engine:
     _totals: tuple[float, float] | None = None  # (prompt tokens, finished requests) last probe
     #: Scale-down in progress: serves what it has, is picked for nothing new.
     draining: bool = False
+    #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
+    instance: str = ""
 
     def update_load(self, metrics_text: str) -> None:
         load = parse_engine_load(metrics_text)
@@ -79,6 +81,8 @@ class EndpointInfo:
     role: Role
     url: str
     kv_events: str | None = None
+    #: Changes when the engine is restarted, even at the same url (e.g. "host:pid").
+    instance: str = ""
 
 
 class EnginePool:
@@ -110,11 +114,11 @@ class EnginePool:
     ) -> tuple[list[Engine], list[Engine]]:
         """Make the pool match ``infos``; return (engines added, engines removed).
 
-        An engine whose url changed is a new engine (a restart: empty cache, NIXL handshake
-        to redo); in-flight requests keep the object they hold and end on their own."""
+        An engine whose url or instance changed is a new engine (a restart: empty cache); in-flight requests keep the object they hold and end on their own."""
         wanted = {i.name: i for i in infos}
-        removed = [e for e in self.all()
-                   if e.name not in wanted or e.client.base_url != wanted[e.name].url]
+        removed = [e for e in self.all() if e.name not in wanted
+                   or (e.client.base_url, e.instance) != (wanted[e.name].url.rstrip("/"),
+                                                          wanted[e.name].instance)]
         for e in removed:
             self._set_health(e, False)
             (self.prefill if e.role == "prefill" else self.decode).remove(e)
@@ -124,7 +128,7 @@ class EnginePool:
             if info.name in have:
                 continue
             engine = Engine(info.role, make_client(info.name, info.url),
-                            events_endpoint=info.kv_events or None)
+                            events_endpoint=info.kv_events or None, instance=info.instance)
             (self.prefill if info.role == "prefill" else self.decode).append(engine)
             added.append(engine)
         for e in added + removed:

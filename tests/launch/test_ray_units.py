@@ -38,12 +38,12 @@ def test_reservation_is_held_by_another_process(tmp_path):
 
 
 def test_engine_spec_on_a_node():
-    t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny", kv_cache_gib=0.5)
+    t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny", kv_cache_gib=1)
     p = engine_spec_for_node(t, "prefill", 0, "127.0.0.1", [21000, 21001, 21002], "/m")
     d1 = engine_spec_for_node(t, "decode", 1, "127.0.0.1", [21003, 21004, 21005], "/m")
     assert (p.url, p.side_channel_port, p.kv_events_endpoint) == (
         "http://127.0.0.1:21000", 21001, "tcp://127.0.0.1:21002")
-    assert p.role == "prefill" and d1.role == "decode" and p.kv_cache_gib == 0.5
+    assert p.role == "prefill" and d1.role == "decode" and p.kv_cache_gib == 1
     assert p.ucx_device == "lo" == interface_of("127.0.0.1")
     assert p.cpu_cores != d1.cpu_cores  # prefill and decode compute on different cores
     assert p.connector.cpu_fixes and p.connector.lease_s == 30

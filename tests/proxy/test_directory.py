@@ -88,6 +88,11 @@ async def test_directory_adds_and_removes_engines(prefill, decode, decode_b):
                          and pool.decode[0].healthy, "decode-0 follows its new url")
         r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
         assert r.status_code == 200 and len(decode_b.decode_requests) == 2
+        # Restarted at the same url: a new instance is a new engine too (its cache is gone).
+        old = pool.decode[0]
+        directory.infos[1] = EndpointInfo("decode-0", "decode", decode_b.url, instance="pid-2")
+        await wait_until(lambda: pool.decode[0] is not old and pool.decode[0].healthy
+                         and pool.decode[0].instance == "pid-2", "new instance replaces old")
 
 
 async def test_unreachable_decode_is_retried_on_another(prefill, decode, decode_b):

@@ -62,7 +62,7 @@ def ray_stack(tmp_path_factory) -> RayStack:
     popen = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "ray", "--model", "tiny", "--prefill", "1",
          "--decode", "2", "--num-cpus", "4", "--port", str(PORT), "--namespace", NAMESPACE,
-         "--policy", "disaggregate", "--kv-cache-gib", "0.5", "--probe-tokens", "",
+         "--policy", "disaggregate", "--kv-cache-gib", "1", "--probe-tokens", "",
          "--log-dir", str(log_dir / "engines")],
         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
         start_new_session=True,

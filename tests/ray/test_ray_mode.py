@@ -156,15 +156,17 @@ def test_zz_decode_killed_mid_run_restarts_and_recovers(ray_stack):
     assert load.outcomes.count("ok") >= 3
     assert set(load.outcomes) <= {"ok", "inband", "status:502", "status:503", "status:504"}
 
-    # Ray restarted the actor: decode-0 is back at a new url, healthy, and serves again.
+    # Ray restarted the actor: decode-0 is back (a new engine process, maybe on the same
+    # port), the proxy took it as a new engine, it is healthy and serves again.
     deadline = time.monotonic() + 600
     while True:
         now = decodes(ray_stack).get("decode-0")
-        if now and now["url"] != victim["url"] and now["healthy"]:
+        if now and now["instance"] != victim["instance"] and now["healthy"]:
             break
         assert time.monotonic() < deadline, f"decode-0 not back: {now}"
         time.sleep(2)
-    print(f"decode-0 back after {time.monotonic() - t_kill:.0f}s at {now['url']}")
+    print(f"decode-0 back after {time.monotonic() - t_kill:.0f}s: {now['instance']}")
+    assert now["instance"].endswith(f":{pid}") is False and victim["instance"].endswith(f":{pid}")
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     before = success_count(now["url"])
     with Load(ray_stack, clients=4, max_tokens=48) as load:
