@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,6 +174,31 @@ def _progress(elapsed: float, pending: list[str]) -> None:
         print(f"engines ready after {elapsed:.0f}s", file=sys.stderr, flush=True)
 
 
+def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: float = 2.0,
+                          misses: int = 3) -> None:
+    """Watch the cluster's GCS port; when it stops answering (``ray down``, ``ray stop``, head
+    lost) set ``gone`` and SIGTERM this process, so the proxy never outlives its cluster."""
+    host, port = gcs_address.rsplit(":", 1)
+
+    def watch() -> None:
+        missed = 0
+        while True:
+            time.sleep(interval_s)
+            try:
+                socket.create_connection((host, int(port)), timeout=2).close()
+                missed = 0
+            except OSError:
+                missed += 1
+                if missed >= misses:
+                    print("pdserve: the Ray cluster is gone; stopping", file=sys.stderr,
+                          flush=True)
+                    gone.set()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+    threading.Thread(target=watch, name="ray-watchdog", daemon=True).start()
+
+
 def run_ray(opts: RayOptions) -> int:
     """Run Ray mode until interrupted; return the process exit code."""
     import ray
@@ -185,6 +213,8 @@ def run_ray(opts: RayOptions) -> int:
     ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
              num_cpus=opts.local_num_cpus if opts.address is None else None,
              log_to_driver=False, configure_logging=False)
+    ray_gone = threading.Event()
+    exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
     scaler = RayScaler(opts.namespace, opts.template, accelerator, opts.max_restarts)
     try:
@@ -236,6 +266,7 @@ def run_ray(opts: RayOptions) -> int:
     finally:
         print("stopping engines ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        scaler.stop_all()
-        ray.shutdown()
+        if not ray_gone.is_set():  # else the engines went with the cluster's workers
+            scaler.stop_all()
+            ray.shutdown()
         print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)

@@ -49,6 +49,8 @@ class Engine:
     draining: bool = False
     #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
     instance: str = ""
+    #: When it was last picked (a pool-wide sequence number): ties rotate.
+    last_pick: int = 0
 
     def update_load(self, metrics_text: str) -> None:
         load = parse_engine_load(metrics_text)
@@ -102,6 +104,7 @@ class EnginePool:
                 engine.events_endpoint = endpoint or None
         self._metrics = metrics
         self._health_timeout_s = health_timeout_s
+        self._picks = 0
 
     def all(self) -> list[Engine]:
         return [*self.prefill, *self.decode]
@@ -152,10 +155,16 @@ class EnginePool:
         return True
 
     def pick_prefill(self) -> Engine | None:
-        return _least_loaded(self.prefill)
+        return self._picked(_least_loaded(self.prefill))
 
     def pick_decode(self) -> Engine | None:
-        return _least_loaded(self.decode)
+        return self._picked(_least_loaded(self.decode))
+
+    def _picked(self, engine: Engine | None) -> Engine | None:
+        if engine is not None:
+            self._picks += 1
+            engine.last_pick = self._picks
+        return engine
 
     @property
     def ready(self) -> bool:
@@ -242,6 +251,9 @@ def engine_load(metrics_text: str) -> int:
 
 def _least_loaded(engines: Sequence[Engine]) -> Engine | None:
     """Fewest requests in flight (this proxy's plus what the engine reports for other clients);
-    ties go to the engine listed first."""
+    among equals, the one picked longest ago (requests that finish before the next arrives
+    still spread over every engine)."""
     usable = [e for e in engines if e.healthy and not e.draining]
-    return min(usable, key=lambda e: e.inflight + e.foreign_requests) if usable else None
+    if not usable:
+        return None
+    return min(usable, key=lambda e: (e.inflight + e.foreign_requests, e.last_pick))

@@ -193,3 +193,18 @@ async def test_scale_in_dev_mode_says_so(prefill, decode):
     async with live_proxy(proxy_config(prefill, decode)) as proxy, httpx.AsyncClient() as c:
         r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
         assert r.status_code == 400 and "cannot scale" in r.json()["error"]["message"]
+
+
+async def test_sequential_requests_rotate_over_idle_decodes(prefill, decode, decode_b):
+    """Requests that finish before the next one arrives still use both decode engines."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
+                               info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode, health_interval_s=0.05),
+                          directory=directory) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "both decodes healthy")
+        for _ in range(6):
+            r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+            assert r.status_code == 200
+        assert len(decode.decode_requests) == len(decode_b.decode_requests) == 3
