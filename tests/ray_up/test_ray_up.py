@@ -42,6 +42,19 @@ def free_port() -> int:
 
 
 @pytest.fixture
+def bashrc():
+    """The cluster's setup step appends to the SSH user's ~/.bashrc (here: this machine's
+    root): put it back afterwards."""
+    path = Path.home() / ".bashrc"
+    saved = path.read_bytes() if path.exists() else None
+    yield
+    if saved is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_bytes(saved)
+
+
+@pytest.fixture
 def sshd(tmp_path):
     """An sshd on 127.0.0.1:<free port> accepting one key for root; stopped after."""
     key = tmp_path / "id_ed25519"
@@ -86,10 +99,12 @@ def cluster_file(tmp_path: Path, key: Path, ssh_port: int) -> Path:
                               "cat <&3 & exec cat >&3'"),
     }
     config["file_mounts"] = {str(tmp_path / "pdserve-src"): "."}
-    config["setup_commands"] = []  # this machine already has the environment: BIN
-    venv = "~/pdserve-venv/bin/"
-    start = [c.replace(venv, f"{BIN}/") for c in config["head_start_ray_commands"]]
-    start = [c.replace("--port=6379", f"--port={gcs_port} --num-cpus=4") for c in start]
+    # This machine already has the environment (BIN): keep only the PATH step, pointed at it.
+    config["setup_commands"] = [c.replace("$HOME/pdserve-venv/bin", str(BIN))
+                                for c in config["setup_commands"] if "make " not in c]
+    assert len(config["setup_commands"]) == 1 and str(BIN) in config["setup_commands"][0]
+    start = [c.replace("--port=6379", f"--port={gcs_port} --num-cpus=4")
+             for c in config["head_start_ray_commands"]]
     start = [c.replace("--host 0.0.0.0 --port 8000",
                        f"--host 127.0.0.1 --port {PROXY_PORT} --model tiny --kv-cache-gib 1 "
                        "--policy disaggregate --probe-tokens ''")
@@ -122,7 +137,7 @@ def ray_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_ray_up_serves_and_ray_down_cleans_up(sshd, tmp_path):
+def test_ray_up_serves_and_ray_down_cleans_up(sshd, bashrc, tmp_path):
     from openai import OpenAI
 
     assert not leftovers(), f"another Ray/pdserve is running here: {leftovers()}"
