@@ -125,11 +125,11 @@ def serve_proxy(port: int, engine_url: str) -> None:
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
+    from proxy.server import uvicorn_config
 
     config = ProxyConfig(prefill_urls=(engine_url,), decode_urls=(engine_url,),
                          served_model_names=("m",), policy="disaggregate", warmup=False)
-    uvicorn.run(create_app(config), host="127.0.0.1", port=port, log_level="warning",
-                access_log=False, timeout_keep_alive=30)
+    uvicorn.Server(uvicorn_config(create_app(config), config, "127.0.0.1", port)).run()
 
 
 def _use_uvloop() -> None:

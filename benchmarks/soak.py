@@ -105,11 +105,11 @@ def serve_proxy(config_json: str) -> int:
     import uvicorn
 
     from proxy.app import create_app
+    from proxy.server import uvicorn_config
 
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(ProxyConfig.model_validate_json(config_json)), host="127.0.0.1", port=0,
-        log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-    ))
+    config = ProxyConfig.model_validate_json(config_json)
+    server = uvicorn.Server(uvicorn_config(create_app(config), config, "127.0.0.1", 0,
+                                           timeout_graceful_shutdown=5))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())

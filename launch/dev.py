@@ -126,6 +126,7 @@ def run_dev(opts: DevOptions) -> int:
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
+    from proxy.server import uvicorn_config
 
     # SIGTERM must unwind like Ctrl-C so the engines are stopped, never orphaned.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -181,12 +182,7 @@ def run_dev(opts: DevOptions) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(config), host=opts.host, port=opts.port, log_level="warning",
-                access_log=False, timeout_keep_alive=30, timeout_graceful_shutdown=10,
-            )
-        )
+        server = uvicorn.Server(uvicorn_config(create_app(config), config, opts.host, opts.port))
         server.run()
         return 0
     except KeyboardInterrupt:

@@ -206,6 +206,7 @@ def run_ray(opts: RayOptions) -> int:
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
+    from proxy.server import uvicorn_config
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"connecting to Ray ({opts.address or 'starting a local cluster'}) ...",
@@ -254,11 +255,8 @@ def run_ray(opts: RayOptions) -> int:
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "
               f"is serving {opts.template.served_model_name} at {url}/v1\n", file=sys.stderr,
               flush=True)
-        server = uvicorn.Server(uvicorn.Config(
-            create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler),
-            host=opts.host, port=opts.port, log_level="warning", access_log=False,
-            timeout_keep_alive=30, timeout_graceful_shutdown=10,
-        ))
+        app = create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler)
+        server = uvicorn.Server(uvicorn_config(app, config, opts.host, opts.port))
         server.run()
         return 0
     except KeyboardInterrupt:

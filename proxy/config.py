@@ -35,6 +35,8 @@ class ProxyConfig(BaseModel):
     body_limit_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     #: A client must finish sending its body within this many seconds (slow-loris guard).
     body_read_deadline_s: float = Field(default=30.0, gt=0)
+    #: ...and a request's headers within this many seconds of its first byte (408, closed).
+    header_read_deadline_s: float = Field(default=10.0, gt=0)
     #: Admission control: requests served at once, requests allowed to wait, and for how long.
     max_inflight: int = Field(default=256, gt=0)
     max_queued: int = Field(default=256, ge=0)

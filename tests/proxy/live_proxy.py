@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from proxy.app import ProxyState, create_app
 from proxy.config import ProxyConfig
+from proxy.server import uvicorn_config
 
 #: Upper bound for things that take milliseconds (start-up, a counter catching up). Only a
 #: failing test ever waits this long; it is generous because a busy 2-core box can stall a
@@ -94,10 +95,8 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float 
 async def live_proxy(config: ProxyConfig, **app_kwargs: Any) -> AsyncIterator[LiveProxy]:
     """``app_kwargs`` go to ``create_app`` (a directory, a scaler)."""
     app = create_app(config, **app_kwargs)
-    server = _Server(uvicorn.Config(
-        app, host="127.0.0.1", port=0, lifespan="on", log_level="warning", access_log=False,
-        timeout_graceful_shutdown=1,
-    ))
+    server = _Server(uvicorn_config(app, config, "127.0.0.1", 0, lifespan="on",
+                                    timeout_graceful_shutdown=1))
     task = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(SETTLE_S):

@@ -265,3 +265,46 @@ async def test_slow_body_gets_408(prefill: FakeEngine, decode: FakeEngine) -> No
         assert lp.metric("pd_rejected_total", type="invalid_request_error") == 1
         assert lp.state.admission.inflight == 0
     assert not prefill.completion_requests and not decode.completion_requests
+
+
+async def _open(lp) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(lp.host, lp.port)
+
+
+async def test_slow_headers_get_408_and_a_closed_connection(prefill, decode) -> None:
+    """Slow loris on the headers (the app never sees the request): 408 at the deadline, the
+    connection closed, no engine called."""
+    config = proxy_config(prefill, decode, header_read_deadline_s=0.5)
+    async with live_proxy(config) as lp:
+        reader, writer = await _open(lp)
+        t0 = time.perf_counter()
+        writer.write(f"POST {CHAT_PATH} HTTP/1.1\r\nhost: x\r\ncontent-ty".encode())
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=5)  # until the proxy closes
+        assert time.perf_counter() - t0 >= 0.45
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ")
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and "headers" in error["message"]
+        writer.close()
+        # A connection that sends nothing at all is closed too.
+        reader, writer = await _open(lp)
+        assert (await asyncio.wait_for(reader.read(), timeout=5)).startswith(b"HTTP/1.1 408 ")
+        writer.close()
+    assert not prefill.completion_requests and not decode.completion_requests
+
+
+async def test_header_deadline_spares_slow_answers_and_keep_alive(prefill, decode) -> None:
+    """The deadline covers only the time to send headers: a request whose answer takes longer,
+    and a second request on the same keep-alive connection, are served normally."""
+    config = proxy_config(prefill, decode, header_read_deadline_s=0.5)
+    async with live_proxy(config) as lp, httpx.AsyncClient() as c:
+        prefill.prefill_gate = asyncio.Event()
+        slow = asyncio.create_task(c.post(lp.url + CHAT_PATH, json=stream_body(), timeout=30))
+        await prefill.wait_for_requests(1)
+        await asyncio.sleep(1.0)  # twice the header deadline, inside the request
+        prefill.prefill_gate.set()
+        assert (await slow).status_code == 200
+        await asyncio.sleep(0.8)  # idle on the kept-alive connection: keep-alive rules, not 408
+        r = await c.post(lp.url + CHAT_PATH, json=stream_body(), timeout=30)
+        assert r.status_code == 200
