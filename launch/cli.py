@@ -37,6 +37,8 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
                    help="give up on a prefill after this long and serve the request locally")
     p.add_argument("--first-byte-deadline-s", type=float, default=120.0,
                    help="504 when decode has not started answering after this long")
+    p.add_argument("--idle-deadline-s", type=float, default=60.0,
+                   help="end a stream with an in-band error when decode sends nothing this long")
     p.add_argument("--max-inflight", type=int, default=256,
                    help="requests served at once (admission control)")
     p.add_argument("--max-queued", type=int, default=256,
@@ -210,6 +212,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         reprobe_s=args.reprobe_s,
         prefill_deadline_s=args.prefill_deadline_s,
         first_byte_deadline_s=args.first_byte_deadline_s,
+        idle_deadline_s=args.idle_deadline_s,
         max_inflight=args.max_inflight,
         max_queued=args.max_queued,
         engine_dev_endpoints=args.engine_dev_endpoints,

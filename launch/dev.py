@@ -53,6 +53,7 @@ class DevOptions:
     reprobe_s: float = 30.0
     prefill_deadline_s: float = 120.0
     first_byte_deadline_s: float = 120.0
+    idle_deadline_s: float = 60.0
     max_inflight: int = 256
     max_queued: int = 256
     engine_dev_endpoints: bool = False
@@ -166,6 +167,7 @@ def run_dev(opts: DevOptions) -> int:
             reprobe_s=opts.reprobe_s,
             prefill_deadline_s=opts.prefill_deadline_s,
             first_byte_deadline_s=opts.first_byte_deadline_s,
+            idle_deadline_s=opts.idle_deadline_s,
             max_inflight=opts.max_inflight,
             max_queued=opts.max_queued,
             prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),

@@ -99,10 +99,44 @@ class PrefillFit(_WindowFit[PrefillModel]):
 
 
 class LinkFit(_WindowFit[LinkModel]):
+    """Also detects a link that changed speed: when ``CHANGE_RUN`` hand-overs in a row take
+    more than ``CHANGE_FACTOR`` x (or less than 1/``CHANGE_FACTOR`` x) the prediction, the
+    older samples describe another link and are dropped; until enough new samples exist to
+    fit both terms, the bandwidth is rescaled from the newest sample."""
+
+    CHANGE_FACTOR = 2.0
+    CHANGE_RUN = 2
+
     def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 32,
                  min_samples: int = 3, half_life: float = 4.0):
         super().__init__(prior, window, min_samples, half_life)
         self._kvb = kv_bytes_per_token
+        self._run = 0  # consecutive surprises in the same direction (sign = direction)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens <= 0 or seconds <= 0:
+            return
+        changed = False
+        if self.n_samples >= self._min_samples:
+            ratio = seconds / max(self._model.seconds(n_tokens, self._kvb), 1e-9)
+            side = 1 if ratio > self.CHANGE_FACTOR else -1 if ratio < 1 / self.CHANGE_FACTOR else 0
+            self._run = self._run + side if side and self._run * side >= 0 else side
+            if abs(self._run) >= self.CHANGE_RUN:
+                recent = list(self._samples)[-(self.CHANGE_RUN - 1):]
+                self._samples.clear()
+                self._samples.extend(recent)
+                self._run = 0
+                changed = True
+        super().observe(n_tokens, seconds)
+        if changed and self.n_samples < self._min_samples:
+            ns = np.array([x[0] for x in self._samples], dtype=float)
+            ys = np.array([x[1] for x in self._samples])
+            if len(np.unique(ns)) >= 2:  # two sizes at the new speed: both terms are known
+                self._model = self._fit(ns, ys, np.ones_like(ys))
+            else:  # one size: keep the fixed cost (at most half of it), rescale bandwidth
+                fixed = min(self._model.fixed_s, 0.5 * seconds)
+                self._model = LinkModel(fixed_s=fixed, bytes_per_s=n_tokens * self._kvb / (
+                    seconds - fixed))
 
     def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> LinkModel:
         x = np.stack([np.ones_like(ns), ns * 1e-3], axis=1)

@@ -10,6 +10,12 @@ from launch import testbed
 from tests.e2e.stack import DevStack, start_stack, stop_stack
 
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
+#: Short per-stage deadlines (the tiny model answers in well under a second), so the stall
+#: tests in test_faults.py meet them quickly.
+PREFILL_DEADLINE_S, FIRST_BYTE_DEADLINE_S, IDLE_DEADLINE_S = 6.0, 10.0, 6.0
+STAGE_DEADLINES = ["--prefill-deadline-s", str(PREFILL_DEADLINE_S),
+                   "--first-byte-deadline-s", str(FIRST_BYTE_DEADLINE_S),
+                   "--idle-deadline-s", str(IDLE_DEADLINE_S)]
 
 
 @pytest.fixture(scope="package")
@@ -17,7 +23,7 @@ def tiny_stack(tmp_path_factory) -> DevStack:
     stack = start_stack(
         "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
         extra=["--policy", "disaggregate", "--kv-events-base-port", "15700",
-               "--kv-cache-gib", "1"], **TINY_PORTS,
+               "--kv-cache-gib", "1", *STAGE_DEADLINES], **TINY_PORTS,
     )
     yield stack
     alive = stop_stack(stack)

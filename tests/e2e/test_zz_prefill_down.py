@@ -5,6 +5,7 @@ Runs last in the session (file name): it kills the shared stack's prefill engine
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -49,3 +50,27 @@ def test_prefill_down_serves_local(tiny_stack):
         while client.get(tiny_stack.proxy_url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "health still ready with prefill down"
             time.sleep(0.5)
+
+
+def test_zz_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):
+    """The last engine crashes mid-answer: the client gets an in-band error event and the
+    stream closes within seconds (never a hang); /health says not ready."""
+    body = {"model": tiny_stack.model_name, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "count to a thousand"}]}
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", tiny_stack.proxy_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        os.killpg(tiny_stack.engine_pid("decode"), signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [ln for ln in lines if ln]
+        ended_after = time.monotonic() - t0
+    assert rest[-2:-1] and '"error"' in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["type"] == "upstream_error"
+    assert ended_after < 5, ended_after
+    assert httpx.get(tiny_stack.proxy_url + "/health", timeout=5).status_code == 503
+    metrics = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=5).text
+    assert 'pd_stream_errors_total{reason="decode_lost"} 1.0' in metrics

@@ -156,3 +156,29 @@ async def test_one_slow_health_probe_does_not_take_an_engine_out():
     for _ in range(SLOW_PROBES_TO_MARK_DOWN - 1):
         assert await pool.probe(engine) is True and engine.healthy
     assert await pool.probe(engine) is False and not engine.healthy
+
+
+def test_link_fit_follows_a_link_that_recovers_within_two_hand_overs():
+    """Slow for a long time, then fast: two surprising hand-overs reset the fit, so the
+    prediction for a long prompt is right again at once (not dragged by the slow past)."""
+    fit = LinkFit(LinkModel(0.01, 1e9), kv_bytes_per_token=KVB)
+    slow, fast = 2.5e6, 1.2e9
+    for n in (64, 256) * 8:
+        fit.observe(n, 0.03 + n * KVB / slow)
+    assert fit.model().bytes_per_s == pytest.approx(slow, rel=0.05)
+    fit.observe(64, 0.03 + 64 * KVB / fast)
+    fit.observe(256, 0.03 + 256 * KVB / fast)
+    want = 0.03 + 1500 * KVB / fast
+    assert fit.model().seconds(1500, KVB) == pytest.approx(want, rel=0.5)
+    fit.observe(64, 0.03 + 64 * KVB / fast)  # three new samples, two sizes: a real fit again
+    assert fit.model().bytes_per_s == pytest.approx(fast, rel=0.05)
+    assert fit.model().fixed_s == pytest.approx(0.03, rel=0.05)
+
+
+def test_link_fit_ignores_one_outlier():
+    fit = LinkFit(LinkModel(0.01, 1e9), kv_bytes_per_token=KVB)
+    for n in (64, 256) * 4:
+        fit.observe(n, 0.03 + n * KVB / 1e9)
+    fit.observe(256, 5.0)  # one stalled hand-over
+    fit.observe(64, 0.03 + 64 * KVB / 1e9)
+    assert fit.n_samples == 10  # nothing dropped
