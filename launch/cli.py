@@ -52,6 +52,8 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-s", type=int, default=30)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this bearer token on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--private-ops", action="store_true",
+                   help="/health, /metrics and /pd/* need the API key too (default: public)")
     p.add_argument("--log-dir", type=Path, default=Path(".pdserve/logs"))
     p.add_argument("--start-timeout-s", type=float, default=600.0)
 
@@ -89,6 +91,8 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=256)
     p.add_argument("--max-queued", type=int, default=256)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--private-ops", action="store_true",
+                   help="/health, /metrics and /pd/* need the API key too (default: public)")
     p.add_argument("--log-dir", default="/tmp/pdserve-ray-logs",
                    help="engine logs, on each engine's node")
     p.add_argument("--start-timeout-s", type=float, default=900.0)
@@ -114,7 +118,8 @@ def _run_ray(args: argparse.Namespace) -> int:
         accelerator=args.accelerator, max_restarts=args.max_restarts, host=args.host,
         port=args.port, policy=args.policy,
         probe_tokens=tuple(int(x) for x in args.probe_tokens.split(",") if x.strip()),
-        reprobe_s=args.reprobe_s, api_key=args.api_key, start_timeout_s=args.start_timeout_s,
+        reprobe_s=args.reprobe_s, api_key=args.api_key, public_ops=not args.private_ops,
+        start_timeout_s=args.start_timeout_s,
         prefill_deadline_s=args.prefill_deadline_s,
         first_byte_deadline_s=args.first_byte_deadline_s, max_inflight=args.max_inflight,
         max_queued=args.max_queued,
@@ -127,6 +132,8 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("replicas", type=int)
     p.add_argument("--proxy", default="http://127.0.0.1:8000", help="the proxy's base url")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
+    p.add_argument("--private-ops", action="store_true",
+                   help="/health, /metrics and /pd/* need the API key too (default: public)")
     p.add_argument("--timeout-s", type=float, default=900.0)
 
 
@@ -204,6 +211,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        public_ops=not args.private_ops,
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout_s,
         lease_s=args.lease_s,

@@ -43,6 +43,7 @@ class DevOptions:
     kv_cache_gib: int = 2
     max_model_len: int = 4096
     api_key: str | None = None
+    public_ops: bool = True
     log_dir: Path = Path(".pdserve/logs")
     start_timeout_s: float = 600.0
     lease_s: int = 30
@@ -162,6 +163,7 @@ def run_dev(opts: DevOptions) -> int:
             served_model_names=(opts.served_model_name,),
             policy=opts.policy,
             api_key=opts.api_key,
+            public_health=opts.public_ops,
             kv_bytes_per_token=model_kv_bytes_per_token(opts.model_path, prefill_spec.dtype),
             probe_tokens=opts.probe_tokens,
             reprobe_s=opts.reprobe_s,

@@ -50,6 +50,7 @@ class RayOptions:
     probe_tokens: tuple[int, ...] = (64, 256, 1024)
     reprobe_s: float = 30.0
     api_key: str | None = None
+    public_ops: bool = True
     start_timeout_s: float = 900.0
     prefill_deadline_s: float = 120.0
     first_byte_deadline_s: float = 120.0
@@ -242,6 +243,7 @@ def run_ray(opts: RayOptions) -> int:
             served_model_names=(opts.template.served_model_name,),
             policy=opts.policy,
             api_key=opts.api_key,
+            public_health=opts.public_ops,
             kv_bytes_per_token=kvb,
             probe_tokens=opts.probe_tokens,
             reprobe_s=opts.reprobe_s,

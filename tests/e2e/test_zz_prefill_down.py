@@ -1,6 +1,7 @@
-"""With the prefill engine gone, requests still succeed, served locally, and it is counted.
+"""With the prefill engine gone, requests still succeed, served locally, and it is counted; a
+hand-off whose KV died with it is recomputed by decode; then the decode engine dies mid-stream.
 
-Runs last in the session (file name): it kills the shared stack's prefill engine.
+Runs last in the package (file name): it kills the shared stack's engines.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ import time
 import httpx
 
 from tests.e2e.conftest import TINY_PORTS
+from tests.e2e.prompts import text_of_tokens
+from tests.e2e.test_pd_outputs import prompt_sources
+from transport import kv_params
+
+
+def prefill_handoff(stack, body: dict) -> kv_params.PrefillHandoff:
+    """Run only the prefill leg, straight on the prefill engine."""
+    pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
+    pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
+    reply = httpx.post(stack.prefill_url + "/v1/completions", json=pbody, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return kv_params.parse_prefill_reply(reply.json())
 
 
 def test_second_dev_on_busy_ports_fails_clearly(tiny_stack, tmp_path):
@@ -29,6 +42,10 @@ def test_second_dev_on_busy_ports_fails_clearly(tiny_stack, tmp_path):
 
 
 def test_prefill_down_serves_local(tiny_stack):
+    # A hand-off made just before the prefill engine dies: its KV can never be pulled.
+    stale_body = {"model": tiny_stack.model_name, "max_tokens": 12, "temperature": 0,
+                  "prompt": text_of_tokens(600, seed=77)}
+    stale = prefill_handoff(tiny_stack, stale_body)
     os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
     body = {"model": tiny_stack.model_name, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 4, "temperature": 0}
@@ -50,6 +67,19 @@ def test_prefill_down_serves_local(tiny_stack):
         while client.get(tiny_stack.proxy_url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "health still ready with prefill down"
             time.sleep(0.5)
+
+        # The decode engine given the dead prefill's hand-off cannot pull the KV: it recomputes
+        # the prompt (kv_load_failure_policy=recompute) and answers exactly as it would alone.
+        before = prompt_sources(tiny_stack.decode_url)
+        dbody = dict(stale_body)
+        dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(stale)
+        r = client.post(tiny_stack.decode_url + "/v1/completions", json=dbody)
+        assert r.status_code == 200, r.text
+        after = prompt_sources(tiny_stack.decode_url)
+        alone = client.post(tiny_stack.decode_url + "/v1/completions", json=stale_body).json()
+        assert r.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert after["external_kv_transfer"] == before["external_kv_transfer"]
+        assert after["local_compute"] - before["local_compute"] >= 600 - 16
 
 
 def test_zz_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):
