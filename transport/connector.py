@@ -1,20 +1,28 @@
 """The KV connector configuration each engine role gets, generated in one place.
 
-Both roles run vLLM's MultiConnector so further children (the CPU offload tier) slot in without
-changing how engines are started. Today its child is NixlConnector: the prefill engine is the KV
-producer, the decode engine the consumer. The same dict goes to ``--kv-transfer-config``.
+Both roles run vLLM's MultiConnector. Its first child is NixlConnector: the prefill engine is the
+KV producer, the decode engine the consumer. With ``offload_tier_gib > 0`` a second child,
+vLLM's OffloadingConnector (``kv_both``), copies the full blocks an engine computes into a
+host-memory tier and loads them back on a later prefix hit that the engine's own KV pool has
+already dropped: on the CPU platform through ``transport.cpu_offload``'s spec, on GPU through
+vLLM's built-in ``CPUOffloadingSpec``. MultiConnector loads a request from the first child that
+has tokens for it (a NIXL hand-off wins over the tier) and saves to every child. The same dict
+goes to ``--kv-transfer-config``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Role = Literal["prefill", "decode"]
 LoadFailurePolicy = Literal["recompute", "fail"]
+EvictionPolicy = Literal["lru", "arc"]
 
 _KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_MIN_OFFLOAD_TIER_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -24,18 +32,45 @@ class ConnectorOptions:
     ``lease_s``: how long prefill holds blocks for a decode that has not read them yet (decode
     heartbeats extend it while the request queues). ``load_failure_policy``: what decode does when
     a pull fails — ``recompute`` keeps answers correct at the cost of time.
+
+    ``offload_tier_gib``: host memory for this engine's KV offload tier, 0 = no tier (the tier is
+    per engine: a prefill and a decode engine with 4 GiB each take 8 GiB).
+    ``offload_eviction_policy``: which chunk a full tier drops (vLLM's ``lru`` or ``arc``).
+    ``offload_store_threshold``: a block is stored only once it was offered that many times
+    (< 2: every block is stored).
     """
 
     lease_s: int = 30
     load_failure_policy: LoadFailurePolicy = "recompute"
     backends: tuple[str, ...] = ("UCX",)
     #: CPU platform: use ``transport.nixl_cpu`` (progress thread that sleeps, compute thread
-    #: kept on its own core). Off on GPU, where vLLM's connector is used as is.
+    #: kept on its own core) and ``transport.cpu_offload``'s tier. Off on GPU, where vLLM's
+    #: connectors are used as is.
     cpu_fixes: bool = False
+    offload_tier_gib: float = 0
+    offload_eviction_policy: EvictionPolicy = "lru"
+    offload_store_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.lease_s < 6:
             raise ValueError("lease_s must be >= 6 (heartbeats run every lease/6 s)")
+        gib = self.offload_tier_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib):
+            raise ValueError(f"offload_tier_gib must be a number of GiB, got {gib!r}")
+        if gib != 0 and self.offload_tier_bytes < _MIN_OFFLOAD_TIER_BYTES:
+            raise ValueError(f"offload_tier_gib must be 0 (no tier) or at least 1 MiB, got {gib!r}")
+        if self.offload_eviction_policy not in get_args(EvictionPolicy):
+            raise ValueError(
+                f"offload_eviction_policy must be one of {get_args(EvictionPolicy)}, "
+                f"got {self.offload_eviction_policy!r}"
+            )
+        threshold = self.offload_store_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"offload_store_threshold must be an int >= 0, got {threshold!r}")
+
+    @property
+    def offload_tier_bytes(self) -> int:
+        return int(self.offload_tier_gib * 2**30)
 
 
 def nixl_child(role: Role, options: ConnectorOptions) -> dict[str, Any]:
@@ -56,10 +91,33 @@ def nixl_child(role: Role, options: ConnectorOptions) -> dict[str, Any]:
     return child
 
 
+def offload_child(options: ConnectorOptions) -> dict[str, Any]:
+    """vLLM's OffloadingConnector over a host tier of ``options.offload_tier_gib``, same on both
+    roles: it stores blocks the engine computed and loads them back on a prefix hit."""
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": options.offload_tier_bytes,
+        "eviction_policy": options.offload_eviction_policy,
+        "store_threshold": options.offload_store_threshold,
+    }
+    if options.cpu_fixes:
+        # vLLM's CPUOffloadingSpec refuses the CPU platform in get_worker; this subclass does not.
+        extra.update(spec_name="HostTierOffloadingSpec", spec_module_path="transport.cpu_offload")
+    else:
+        extra["spec_name"] = "CPUOffloadingSpec"
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": options.load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
 def kv_transfer_config(role: Role, options: ConnectorOptions | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value for an engine of ``role``."""
     options = options or ConnectorOptions()
     children = [nixl_child(role, options)]
+    if options.offload_tier_gib > 0:
+        children.append(offload_child(options))
     return {
         "kv_connector": "MultiConnector",
         "kv_role": _KV_ROLE[role],
