@@ -11,6 +11,23 @@ from pathlib import Path
 from launch.processes import EngineFailed, PortBusy
 
 
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--offload-gib", type=float, default=0.0,
+                   help="host-memory KV offload tier per engine, GiB (0 = none): evicted "
+                        "prefixes come back from it instead of being recomputed")
+    p.add_argument("--offload-eviction", choices=("lru", "arc"), default="lru",
+                   help="which chunk a full offload tier drops")
+    p.add_argument("--offload-store-threshold", type=int, default=0,
+                   help="store a block in the tier only once it was offered this many times")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="cap each engine's KV cache at this many blocks (tests, benchmarks)")
+
+
+def _tier_options(args: argparse.Namespace) -> dict:
+    return dict(offload_gib=args.offload_gib, offload_eviction=args.offload_eviction,
+                offload_store_threshold=args.offload_store_threshold, kv_blocks=args.kv_blocks)
+
+
 def _add_dev(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dev", help="prefill + decode engines on this machine, proxy in front")
     p.add_argument("--model", default="smollm2",
@@ -50,6 +67,7 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
                         "link throttled to this rate (0 = unthrottled); needs root")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lease-s", type=int, default=30)
+    _add_tier_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this bearer token on /v1/* (default: $PDSERVE_API_KEY)")
     p.add_argument("--private-ops", action="store_true",
@@ -85,6 +103,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
                    help="CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lease-s", type=int, default=30)
+    _add_tier_args(p)
     p.add_argument("--engine-dev-endpoints", action="store_true")
     p.add_argument("--prefill-deadline-s", type=float, default=120.0)
     p.add_argument("--first-byte-deadline-s", type=float, default=120.0)
@@ -110,7 +129,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         model=args.model if args.model in ("tiny", "smollm2") else str(path),
         served_model_name=args.served_model_name or _model_name(args.model),
         kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, lease_s=args.lease_s,
-        dev_endpoints=args.engine_dev_endpoints, log_dir=args.log_dir,
+        dev_endpoints=args.engine_dev_endpoints, log_dir=args.log_dir, **_tier_options(args),
     )
     return run_ray(RayOptions(
         template=template, model_path=str(path), prefill=args.prefill, decode=args.decode,
@@ -215,6 +234,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout_s,
         lease_s=args.lease_s,
+        **_tier_options(args),
         kv_events_base_port=args.kv_events_base_port,
         link_mbit=args.link_mbit,
         reprobe_s=args.reprobe_s,

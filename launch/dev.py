@@ -58,6 +58,10 @@ class DevOptions:
     max_inflight: int = 256
     max_queued: int = 256
     engine_dev_endpoints: bool = False
+    offload_gib: float = 0.0
+    offload_eviction: str = "lru"
+    offload_store_threshold: int = 0
+    kv_blocks: int | None = None
 
 
 def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
@@ -73,7 +77,11 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         kv_cache_gib=opts.kv_cache_gib,
         dtype=default_dtype(device),
         max_model_len=opts.max_model_len,
-        connector=ConnectorOptions(lease_s=opts.lease_s, cpu_fixes=device == "cpu"),
+        connector=ConnectorOptions(
+            lease_s=opts.lease_s, cpu_fixes=device == "cpu", offload_tier_gib=opts.offload_gib,
+            offload_eviction_policy=opts.offload_eviction,  # type: ignore[arg-type]
+            offload_store_threshold=opts.offload_store_threshold),
+        extra_args=kv_blocks_args(opts.kv_blocks),
         kv_events_port=opts.kv_events_base_port,
         dev_endpoints=opts.engine_dev_endpoints,
     )
@@ -92,6 +100,11 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
                           ucx_device=link.ns_device)
         decode = replace(decode, ucx_device=link.host_device)
     return prefill, decode
+
+
+def kv_blocks_args(kv_blocks: int | None) -> tuple[str, ...]:
+    """vLLM arguments that cap an engine's KV cache at ``kv_blocks`` blocks (None: no cap)."""
+    return () if kv_blocks is None else ("--num-gpu-blocks-override", str(kv_blocks))
 
 
 def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.dev import kv_blocks_args
 from launch.engines import EngineSpec, default_dtype, detect_device
 from launch.processes import EngineProcess, start_engine, stop_engines
 from transport.connector import ConnectorOptions
@@ -46,6 +47,10 @@ class EngineTemplate:
     lease_s: int = 30
     dev_endpoints: bool = False
     log_dir: str = "/tmp/pdserve-ray-logs"
+    offload_gib: float = 0.0
+    offload_eviction: str = "lru"
+    offload_store_threshold: int = 0
+    kv_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,7 +130,12 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         gpu_memory_utilization=template.gpu_memory_utilization,
         dtype=default_dtype(device),
         max_model_len=template.max_model_len,
-        connector=ConnectorOptions(lease_s=template.lease_s, cpu_fixes=device == "cpu"),
+        connector=ConnectorOptions(
+            lease_s=template.lease_s, cpu_fixes=device == "cpu",
+            offload_tier_gib=template.offload_gib,
+            offload_eviction_policy=template.offload_eviction,  # type: ignore[arg-type]
+            offload_store_threshold=template.offload_store_threshold),
+        extra_args=kv_blocks_args(template.kv_blocks),
         ucx_device=interface_of(node_ip),
         dev_endpoints=template.dev_endpoints,
     )

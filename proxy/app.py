@@ -54,6 +54,7 @@ class ProxyState:
                  scaler: Scaler | None = None):
         self.config = config
         self.directory = directory
+        self.tokenizer: PromptTokenizer | None = None
         self.scaler = scaler
         self._feeds: dict[Engine, asyncio.Task] = {}
         self._scale_lock = asyncio.Lock()
@@ -77,9 +78,12 @@ class ProxyState:
             prefill_events=self.config.prefill_kv_events,
             decode_events=self.config.decode_kv_events,
         )
-        tokenizer = None
-        if self.config.tokenizer and parse_policy(self.config.policy).kind in ("auto", "threshold"):
-            tokenizer = await asyncio.to_thread(PromptTokenizer, self.config.tokenizer)
+        # Loaded whenever configured (POST /pd/lookup uses it); requests are tokenized at the
+        # proxy only under the policies that need prompt lengths and cache lookups.
+        if self.config.tokenizer:
+            self.tokenizer = await asyncio.to_thread(PromptTokenizer, self.config.tokenizer)
+        needs_ids = parse_policy(self.config.policy).kind in ("auto", "threshold")
+        tokenizer = self.tokenizer if needs_ids else None
         self._zmq = zmq.asyncio.Context()
         for engine in self.pool.all():
             self._start_feed(engine)
@@ -340,8 +344,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             body = parse_body(await request.body(), config.body_limit_bytes)
         except ProxyError as err:
             return _error_response(err)
-        tokenizer = state.orchestrator.tokenizer if state.orchestrator else None
-        ids = tokenizer.ids(body) if tokenizer is not None else None
+        ids = state.tokenizer.ids(body) if state.tokenizer is not None else None
         if ids is None:
             return _error_response(InvalidRequest("cannot tokenize this body at the proxy"))
         engines = {}

@@ -2,13 +2,15 @@
 
 Blocks are keyed by their content chain (the key of the parent block plus this block's token
 ids), so a lookup needs only the prompt's token ids and the block size, not vLLM's hash function
-or seed. ``cached_tokens(ids)`` walks the prompt block by block and returns how many leading
+or seed. Offload tiers (vLLM's OffloadingConnector, medium ``CPU``) publish stores without token
+ids, naming blocks by the engine's block hash: those are matched through the engine's earlier
+event for the same hash (kept a while after the engine itself dropped the block). ``cached_tokens(ids)`` walks the prompt block by block and returns how many leading
 tokens the engine can load instead of computing (any tier), and per tier.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from transport.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEvent
@@ -23,10 +25,14 @@ def _chain(parent: ContentKey | None, tokens: Sequence[int]) -> ContentKey:
 class PrefixIndex:
     """One engine's cached blocks. Not thread-safe; fed and read on the event loop."""
 
+    #: How many dropped blocks' hash -> content mappings are kept for late tier events.
+    RECENT = 65536
+
     def __init__(self) -> None:
         self.block_size: int | None = None
         self._key_of: dict[Hashable, ContentKey] = {}  # engine's block hash -> content key
         self._tiers: dict[ContentKey, Counter[str]] = {}  # content key -> tiers holding it
+        self._recent: OrderedDict[Hashable, ContentKey] = OrderedDict()  # dropped, recently
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -47,12 +53,26 @@ class PrefixIndex:
                             del tiers[ev.tier]
                         if not tiers:
                             del self._tiers[key]
-                            del self._key_of[h]
+                            self._forget(h)
             elif isinstance(ev, AllCleared):
                 self._key_of.clear()
                 self._tiers.clear()
+                self._recent.clear()
+
+    def _forget(self, h: Hashable) -> None:
+        self._recent[h] = self._key_of.pop(h)
+        if len(self._recent) > self.RECENT:
+            self._recent.popitem(last=False)
 
     def _store(self, ev: BlocksStored) -> None:
+        if not ev.token_ids:  # a tier storing blocks the engine computed: match by hash
+            for h in ev.block_hashes:
+                key = self._key_of.get(h)
+                if key is None and (key := self._recent.pop(h, None)) is not None:
+                    self._key_of[h] = key
+                if key is not None:
+                    self._tiers.setdefault(key, Counter())[ev.tier] += 1
+            return
         self.block_size = ev.block_size
         parent = self._key_of.get(ev.parent_hash) if ev.parent_hash is not None else None
         if ev.parent_hash is not None and parent is None:

@@ -48,3 +48,32 @@ def test_same_content_under_two_hashes_survives_one_removal():
     idx.apply([stored(["a"], None, range(4)), stored(["a2"], None, range(4))])
     idx.apply([BlocksRemoved(("a",), "GPU")])
     assert idx.cached_tokens(list(range(4))) == 4
+
+
+def offloaded(hashes, tier="CPU"):
+    """What vLLM's OffloadingConnector publishes: the engine's block hashes, no tokens, size 0."""
+    return BlocksStored(tuple(hashes), None, (), 0, tier)
+
+
+def test_offload_tier_events_name_engine_blocks_by_hash():
+    """The engine computes a prefix, the tier stores its blocks, the engine evicts them: the
+    prefix is still cached, in the CPU tier only; a later eviction from the tier drops it."""
+    idx = PrefixIndex()
+    idx.apply([stored(["a", "b"], None, range(8)), offloaded(["a", "b"])])
+    assert idx.block_size == BS  # the tier's size-0 events do not clobber it
+    assert idx.cached_tokens(list(range(8)), tier="CPU") == 8
+    idx.apply([BlocksRemoved(("a", "b"), "GPU")])
+    assert idx.cached_tokens(list(range(8)), tier="GPU") == 0
+    assert idx.cached_tokens(list(range(8)), tier="CPU") == 8
+    assert idx.cached_tokens(list(range(8))) == 8
+    idx.apply([BlocksRemoved(("b",), "CPU")])
+    assert idx.cached_tokens(list(range(8))) == 4
+
+
+def test_tier_store_after_the_engine_dropped_the_block_still_matches():
+    idx = PrefixIndex()
+    idx.apply([stored(["a"], None, range(4)), BlocksRemoved(("a",), "GPU")])
+    assert idx.cached_tokens(list(range(4))) == 0
+    idx.apply([offloaded(["a"]), offloaded(["never-computed-here"])])
+    assert idx.cached_tokens(list(range(4)), tier="CPU") == 4
+    assert len(idx) == 1
