@@ -36,7 +36,14 @@ from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
 from proxy.directory import Directory, Scaler
 from proxy.pool import Engine, EnginePool
-from proxy.requests import ApiRequest, Endpoint, check_content_type, check_request, parse_body
+from proxy.requests import (
+    ApiRequest,
+    Endpoint,
+    check_content_type,
+    check_request,
+    parse_body,
+    take_kv_limits,
+)
 import zmq.asyncio
 
 from proxy.costs import RouteCosts
@@ -257,6 +264,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             raw = await read_body(request, config.body_limit_bytes, config.body_read_deadline_s)
             body = parse_body(raw, config.body_limit_bytes)
             stream = check_request(endpoint, body, served)
+            kv_limits = take_kv_limits(body)
             await state.admission.acquire()
         except ProxyError as err:
             state.metrics.rejected_total.labels(err.type).inc()
@@ -265,7 +273,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             state.metrics.client_disconnects_total.labels("before_response").inc()
             return Response(status_code=499)
         assert state.orchestrator is not None
-        api_request = ApiRequest(endpoint, body, stream, request_id)
+        api_request = ApiRequest(endpoint, body, stream, request_id, kv_limits=kv_limits)
         state.metrics.inflight_requests.inc()
         handed_off = False
         try:

@@ -89,7 +89,8 @@ def prompt_chars(body: dict[str, Any]) -> int:
     return len(prompt) if isinstance(prompt, str) else 4 * len(prompt or [])
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], limits: kv_params.KVLimits | None = None
+                 ) -> dict[str, Any]:
     """The client's request cut down to a prefill: one token, no stream, ids returned."""
     out = dict(body)
     out["max_tokens"] = 1
@@ -97,7 +98,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out["stream"] = False
     out.pop("stream_options", None)
     out["return_token_ids"] = True
-    out[kv_params.BODY_KEY] = kv_params.prefill_request_params()
+    out[kv_params.BODY_KEY] = kv_params.with_limits(kv_params.prefill_request_params(), limits)
     return out
 
 
@@ -140,8 +141,11 @@ class Orchestrator:
         trace.route = "disaggregated" if trace.handoff is not None else "local"
         trace.t_handoff = time.perf_counter()
         body = dict(req.body)
+        handoff_params = (kv_params.decode_request_params(trace.handoff)
+                          if trace.handoff is not None else None)
+        if (params := kv_params.with_limits(handoff_params, req.kv_limits)) is not None:
+            body[kv_params.BODY_KEY] = params
         if trace.handoff is not None:
-            body[kv_params.BODY_KEY] = kv_params.decode_request_params(trace.handoff)
             self.metrics.stage_seconds.labels("prefill", trace.route).observe(
                 trace.t_handoff - trace.t_start
             )
@@ -215,7 +219,8 @@ class Orchestrator:
         try:
             with self.pool.using(prefill):
                 reply = await prefill.client.post_json(
-                    req.path, prefill_body(req.body), headers, self.deadlines.prefill_s
+                    req.path, prefill_body(req.body, req.kv_limits), headers,
+                    self.deadlines.prefill_s
                 )
             if 400 <= reply.status < 500:
                 raise from_engine_error(reply.status, reply.body)

@@ -28,10 +28,22 @@ class ApiRequest:
     #: Set only by the proxy itself (start-up probes, benchmarks via the admin API): skip the
     #: policy and take this route.
     force_route: Literal["disaggregated", "local"] | None = None
+    #: The client's per-request KV limits (``kv_limits``), already taken out of ``body``.
+    kv_limits: kv_params.KVLimits | None = None
 
     @property
     def path(self) -> str:
         return PATHS[self.endpoint]
+
+
+def take_kv_limits(body: dict[str, Any]) -> kv_params.KVLimits | None:
+    """Remove and validate the client's ``kv_limits`` (the engines get them translated)."""
+    if kv_params.LIMITS_KEY not in body:
+        return None
+    try:
+        return kv_params.parse_limits(body.pop(kv_params.LIMITS_KEY))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param=kv_params.LIMITS_KEY) from None
 
 
 def check_content_type(content_type: str | None) -> None:

@@ -40,11 +40,18 @@ from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
+    Locality,
     LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingManager,
     OffloadingWorker,
+    OffloadKey,
+    ReqContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 logger = logging.getLogger(__name__)
@@ -68,6 +75,19 @@ class HostTierOffloadingSpec(CPUOffloadingSpec):
         self._host_worker: HostTierWorker | None = None
 
     @override
+    def get_manager(self) -> OffloadingManager:
+        if not self._manager:
+            self._manager = HostTierManager(
+                num_chunks=self.num_chunks,
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                store_threshold=int(self.extra_config.get("store_threshold", 0)),
+                max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+            )
+        return self._manager
+
+    @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._host_worker is None:
             # num_chunks came from the scheduler's bytes-per-block estimate; the tier must not
@@ -85,6 +105,18 @@ class HostTierOffloadingSpec(CPUOffloadingSpec):
                 )
             self._host_worker = HostTierWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
         return self._host_worker
+
+
+class HostTierManager(CPUOffloadingManager):
+    """vLLM's manager, plus the per-request tier filter (``kv_load_tiers`` in a request's
+    ``kv_transfer_params``), which vLLM 0.32 applies only to its secondary tiers: a request that
+    may not read the CPU tier finds nothing in it (and computes those tokens)."""
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not req_context.load_tier_filter.allows(Medium.CPU, Locality.LOCAL):
+            return LookupResult.MISS
+        return super().lookup(key, req_context)
 
 
 class HostTierWorker(OffloadingWorker):

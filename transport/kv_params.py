@@ -122,6 +122,64 @@ def decode_request_params(handoff: PrefillHandoff) -> dict[str, Any]:
     return params
 
 
+#: pdserve's request field for per-request KV limits (clients may set these, never the params).
+LIMITS_KEY = "kv_limits"
+_TIERS = ("cpu", "storage")
+
+
+@dataclass(frozen=True)
+class KVLimits:
+    """Per-request limits vLLM 0.32's OffloadingConnector honours (experimental there):
+
+    ``max_load_tokens``: at most this many tokens loaded from offload tiers (the rest computed);
+    ``max_offload_tokens``: at most this many of the request's tokens stored to the tiers;
+    ``load_tiers``: which tiers may be read (``[]``: none). They do not limit a NIXL hand-off
+    (whether KV moves from prefill is the proxy's route decision).
+    """
+
+    max_load_tokens: int | None = None
+    max_offload_tokens: int | None = None
+    load_tiers: tuple[str, ...] | None = None
+
+    def params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.max_load_tokens is not None:
+            out["max_load_tokens"] = self.max_load_tokens
+        if self.max_offload_tokens is not None:
+            out["max_offload_tokens"] = self.max_offload_tokens
+        if self.load_tiers is not None:
+            out["kv_load_tiers"] = [{"medium": t.upper()} for t in self.load_tiers]
+        return out
+
+
+def parse_limits(raw: Any) -> KVLimits:
+    """A client's ``kv_limits`` object; ValueError naming what is wrong."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{LIMITS_KEY} must be an object")
+    unknown = set(raw) - {"max_load_tokens", "max_offload_tokens", "load_tiers"}
+    if unknown:
+        raise ValueError(f"{LIMITS_KEY} has unsupported keys: {', '.join(sorted(unknown))}")
+    for key in ("max_load_tokens", "max_offload_tokens"):
+        v = raw.get(key)
+        if v is not None and (type(v) is not int or v < 0):
+            raise ValueError(f"{LIMITS_KEY}.{key} must be an integer >= 0")
+    tiers = raw.get("load_tiers")
+    if tiers is not None:
+        if not isinstance(tiers, list) or any(t not in _TIERS for t in tiers):
+            raise ValueError(f"{LIMITS_KEY}.load_tiers must be a list of {', '.join(_TIERS)}")
+        tiers = tuple(dict.fromkeys(tiers))
+    return KVLimits(raw.get("max_load_tokens"), raw.get("max_offload_tokens"), tiers)
+
+
+def with_limits(params: Mapping[str, Any] | None, limits: KVLimits | None
+                ) -> dict[str, Any] | None:
+    """``params`` (or none) with ``limits`` added: what an engine request carries."""
+    extra = limits.params() if limits is not None else {}
+    if params is None and not extra:
+        return None
+    return {**(params or {}), **extra}
+
+
 def has_client_params(body: Mapping[str, Any]) -> bool:
     """True when a client tried to send its own params (never allowed to reach an engine: SSRF)."""
     return BODY_KEY in body

@@ -499,3 +499,28 @@ def test_multiconnector_accepts_both_children(role: Role) -> None:
 def test_bad_offload_options_rejected(field: str, value: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ConnectorOptions(**{field: value})
+
+
+def test_manager_honours_the_request_tier_filter() -> None:
+    """`kv_load_tiers: []` (no tier may be read) makes stored chunks invisible to that request
+    only; vLLM 0.32 applies the filter to secondary tiers alone, HostTierManager to this one."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        _parse_tier_filter,
+    )
+
+    engine = start_engine(tier_chunks=3)
+    manager = engine.spec.get_manager()
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in range(2)]
+    writer = ReqContext(req_id="w")
+    manager.on_new_request(writer)
+    stored = manager.prepare_store(keys, writer)
+    engine.worker.submit_store(1, engine_spec([0, 1]), stored.store_spec)
+    manager.complete_store(keys, writer)
+    nothing = ReqContext(req_id="n", load_tier_filter=_parse_tier_filter([]))
+    cpu_only = ReqContext(req_id="c", load_tier_filter=_parse_tier_filter([{"medium": "cpu"}]))
+    storage_only = ReqContext(req_id="s",
+                              load_tier_filter=_parse_tier_filter([{"medium": "storage"}]))
+    assert [manager.lookup(k, nothing) for k in keys] == [LookupResult.MISS] * 2
+    assert [manager.lookup(k, storage_only) for k in keys] == [LookupResult.MISS] * 2
+    assert [manager.lookup(k, cpu_only) for k in keys] == [LookupResult.HIT] * 2
+    assert [manager.lookup(k, writer) for k in keys] == [LookupResult.HIT] * 2
