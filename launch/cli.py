@@ -19,13 +19,16 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="which chunk a full offload tier drops")
     p.add_argument("--offload-store-threshold", type=int, default=0,
                    help="store a block in the tier only once it was offered this many times")
+    p.add_argument("--offload-fs-dir", default=None,
+                   help="GPU only: a file-system KV tier under the host tier, in this directory")
     p.add_argument("--kv-blocks", type=int, default=None,
                    help="cap each engine's KV cache at this many blocks (tests, benchmarks)")
 
 
 def _tier_options(args: argparse.Namespace) -> dict:
     return dict(offload_gib=args.offload_gib, offload_eviction=args.offload_eviction,
-                offload_store_threshold=args.offload_store_threshold, kv_blocks=args.kv_blocks)
+                offload_store_threshold=args.offload_store_threshold, kv_blocks=args.kv_blocks,
+                offload_fs_dir=args.offload_fs_dir)
 
 
 def _add_dev(sub: argparse._SubParsersAction) -> None:

@@ -61,6 +61,7 @@ class DevOptions:
     offload_gib: float = 0.0
     offload_eviction: str = "lru"
     offload_store_threshold: int = 0
+    offload_fs_dir: str | None = None
     kv_blocks: int | None = None
 
 
@@ -80,7 +81,8 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         connector=ConnectorOptions(
             lease_s=opts.lease_s, cpu_fixes=device == "cpu", offload_tier_gib=opts.offload_gib,
             offload_eviction_policy=opts.offload_eviction,  # type: ignore[arg-type]
-            offload_store_threshold=opts.offload_store_threshold),
+            offload_store_threshold=opts.offload_store_threshold,
+            offload_fs_dir=opts.offload_fs_dir),
         extra_args=kv_blocks_args(opts.kv_blocks),
         kv_events_port=opts.kv_events_base_port,
         dev_endpoints=opts.engine_dev_endpoints,

@@ -50,6 +50,7 @@ class EngineTemplate:
     offload_gib: float = 0.0
     offload_eviction: str = "lru"
     offload_store_threshold: int = 0
+    offload_fs_dir: str | None = None
     kv_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,7 +135,8 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
             lease_s=template.lease_s, cpu_fixes=device == "cpu",
             offload_tier_gib=template.offload_gib,
             offload_eviction_policy=template.offload_eviction,  # type: ignore[arg-type]
-            offload_store_threshold=template.offload_store_threshold),
+            offload_store_threshold=template.offload_store_threshold,
+            offload_fs_dir=template.offload_fs_dir),
         extra_args=kv_blocks_args(template.kv_blocks),
         ucx_device=interface_of(node_ip),
         dev_endpoints=template.dev_endpoints,

@@ -50,6 +50,8 @@ class ConnectorOptions:
     offload_tier_gib: float = 0
     offload_eviction_policy: EvictionPolicy = "lru"
     offload_store_threshold: int = 0
+    #: GPU only: a file-system tier under the host tier (vLLM's TieringOffloadingSpec, "fs").
+    offload_fs_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.lease_s < 6:
@@ -64,6 +66,17 @@ class ConnectorOptions:
                 f"offload_eviction_policy must be one of {get_args(EvictionPolicy)}, "
                 f"got {self.offload_eviction_policy!r}"
             )
+        if self.offload_fs_dir is not None:
+            if self.cpu_fixes:
+                raise ValueError(
+                    "a file-system offload tier is not available on the CPU platform: vLLM 0.32's "
+                    "TieringOffloadingSpec builds the CUDA worker and reads the host tier through "
+                    "a shared-memory region the CPU worker does not use")
+            if self.offload_tier_gib <= 0:
+                raise ValueError("a file-system offload tier sits under the host tier: "
+                                 "set offload_tier_gib too")
+            if self.offload_store_threshold >= 2:
+                raise ValueError("vLLM's tiering spec refuses store_threshold >= 2")
         threshold = self.offload_store_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"offload_store_threshold must be an int >= 0, got {threshold!r}")
@@ -102,6 +115,9 @@ def offload_child(options: ConnectorOptions) -> dict[str, Any]:
     if options.cpu_fixes:
         # vLLM's CPUOffloadingSpec refuses the CPU platform in get_worker; this subclass does not.
         extra.update(spec_name="HostTierOffloadingSpec", spec_module_path="transport.cpu_offload")
+    elif options.offload_fs_dir is not None:
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [{"type": "fs", "root_dir": options.offload_fs_dir}]
     else:
         extra["spec_name"] = "CPUOffloadingSpec"
     return {

@@ -104,3 +104,21 @@ def test_cpu_fixes_load_pdserve_nixl_connector_on_the_nixl_child_only():
     assert "kv_connector_module_path" not in cfg
     plain = kv_transfer_config("decode", ConnectorOptions())
     assert "kv_connector_module_path" not in plain["kv_connector_extra_config"]["connectors"][0]
+
+
+def test_file_system_tier_on_gpu_and_refused_on_cpu():
+    import pytest as _pytest
+
+    from transport.connector import ConnectorOptions, kv_transfer_config
+
+    gpu = ConnectorOptions(offload_tier_gib=4, offload_fs_dir="/mnt/kv")
+    child = kv_transfer_config("decode", gpu)["kv_connector_extra_config"]["connectors"][1]
+    extra = child["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/mnt/kv"}]
+    with _pytest.raises(ValueError, match="CPU platform"):
+        ConnectorOptions(cpu_fixes=True, offload_tier_gib=4, offload_fs_dir="/mnt/kv")
+    with _pytest.raises(ValueError, match="under the host tier"):
+        ConnectorOptions(offload_fs_dir="/mnt/kv")
+    with _pytest.raises(ValueError, match="store_threshold"):
+        ConnectorOptions(offload_tier_gib=4, offload_fs_dir="/mnt/kv", offload_store_threshold=2)
