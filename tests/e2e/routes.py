@@ -104,6 +104,10 @@ def run_case(stack, doc_tokens: int, seed: int, repeats: int = 2, model: str = "
             "temperature": 0}
     cache_on_prefill(stack, doc, doc_tokens)
     reset_decode_cache(stack, body)
+    # The case is "idle queues": wait until the proxy's once-a-second look at the engines no
+    # longer counts the requests just sent to set the case up (they would read as a queue).
+    wait_for(lambda: all(e["engine_requests"] == 0 for e in costs(stack)["engines"].values()),
+             "the proxy to see both engines idle", timeout_s=30)
     with httpx.Client(timeout=300) as c:
         ttft, headers = ttft_stream(c, stack.proxy_url + "/v1/completions", body)
     local = min(measure_local(stack, body) for _ in range(repeats))

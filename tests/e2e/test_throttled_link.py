@@ -70,7 +70,7 @@ def test_fast_link_moves_kv(link_stack):
              > FAST_MIN_MBIT * 1e6 / 8, "the link estimate to recover")
     fast = run_case(link_stack, FAST_DOC_TOKENS, seed=404, model=MODEL, repeats=1)
     print("fast link:", fast)
-    assert fast["route"] == "disaggregated", fast
+    assert fast["route"] == "disaggregated", (fast, costs(link_stack))
     assert fast["disaggregated"] < fast["local"], fast
     assert fast["estimate"] and "disaggregated=" in fast["estimate"]
 
