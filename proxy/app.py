@@ -338,6 +338,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
                      "draining": e.draining, "inflight": e.inflight,
                      "engine_requests": e.engine_requests,
                      "mean_prompt_tokens": e.mean_prompt_tokens,
+                     "nixl_bytes_per_s": e.nixl_bytes_per_s, "nixl_transfers": e.nixl_transfers,
                      "cached_blocks": len(e.index), "block_size": e.index.block_size}
             for e in (state.pool.all() if state.pool else [])
         }

@@ -45,6 +45,11 @@ class Engine:
     #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.
     mean_prompt_tokens: float | None = None
     _totals: tuple[float, float] | None = None  # (prompt tokens, finished requests) last probe
+    #: NIXL's measured pull rate on this engine (bytes / transfer time, recent transfers), or
+    #: None before any: wire time only, where the hand-over fit times all a user waits for.
+    nixl_bytes_per_s: float | None = None
+    nixl_transfers: int = 0
+    _nixl: tuple[float, float] | None = None  # (bytes, seconds) at the last probe
     #: Scale-down in progress: serves what it has, is picked for nothing new.
     draining: bool = False
     #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
@@ -64,6 +69,15 @@ class Engine:
                 self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
                     0.7 * self.mean_prompt_tokens + 0.3 * mean)
         self._totals = totals
+        nixl = (load["vllm:nixl_bytes_transferred_sum"], load["vllm:nixl_xfer_time_seconds_sum"])
+        if self._nixl is not None:
+            d_bytes, d_s = nixl[0] - self._nixl[0], nixl[1] - self._nixl[1]
+            if d_bytes > 0 and d_s > 0:
+                rate = d_bytes / d_s
+                self.nixl_bytes_per_s = rate if self.nixl_bytes_per_s is None else (
+                    0.5 * self.nixl_bytes_per_s + 0.5 * rate)
+        self._nixl = nixl
+        self.nixl_transfers = int(load["vllm:nixl_xfer_time_seconds_count"])
 
     @property
     def foreign_requests(self) -> int:
@@ -227,7 +241,10 @@ class EnginePool:
 
 
 _LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                "vllm:prompt_tokens_total", "vllm:request_success_total")
+                "vllm:prompt_tokens_total", "vllm:request_success_total",
+                # NIXL's own view of the KV pulls this (decode) engine made
+                "vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum",
+                "vllm:nixl_xfer_time_seconds_count")
 
 
 def parse_engine_load(metrics_text: str) -> dict[str, float]:

@@ -133,6 +133,11 @@ def test_completions_endpoint_disaggregated(tiny_stack):
     assert r.status_code == 200, r.text
     assert r.headers["x-pd-route"] == "disaggregated"
     assert r.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    # The proxy also reads NIXL's own view of the pulls from the decode engine's metrics.
+    from tests.e2e.routes import costs, wait_for
+
+    wait_for(lambda: (costs(tiny_stack)["engines"]["decode-0"]["nixl_bytes_per_s"] or 0) > 1e6,
+             "the decode engine's NIXL pull rate at the proxy", timeout_s=10)
 
 
 def test_client_kv_transfer_params_never_reach_an_engine(tiny_stack):

@@ -182,3 +182,24 @@ def test_link_fit_ignores_one_outlier():
     fit.observe(256, 5.0)  # one stalled hand-over
     fit.observe(64, 0.03 + 64 * KVB / 1e9)
     assert fit.n_samples == 10  # nothing dropped
+
+
+def test_engine_reads_nixl_pull_rate_from_its_metrics():
+    """The decode engine's own NIXL histograms give the wire rate of its recent pulls."""
+    from proxy.pool import Engine
+
+    def text(nbytes: float, secs: float, count: int) -> str:
+        return (f'vllm:nixl_bytes_transferred_sum{{engine="0"}} {nbytes}\n'
+                f'vllm:nixl_xfer_time_seconds_sum{{engine="0"}} {secs}\n'
+                f'vllm:nixl_xfer_time_seconds_count{{engine="0"}} {count}\n'
+                'vllm:num_requests_running{engine="0"} 0.0\n')
+
+    e = Engine("decode", client=None)  # type: ignore[arg-type]
+    e.update_load(text(0, 0, 0))
+    assert e.nixl_bytes_per_s is None
+    e.update_load(text(0, 0, 0))  # no transfer since: still unknown
+    assert e.nixl_bytes_per_s is None
+    e.update_load(text(1e9, 0.5, 4))  # 1 GB in 0.5 s of transfer time
+    assert e.nixl_bytes_per_s == pytest.approx(2e9) and e.nixl_transfers == 4
+    e.update_load(text(1e9 + 1e8, 0.5 + 0.1, 5))  # the next pull at 1 GB/s
+    assert e.nixl_bytes_per_s == pytest.approx(1.5e9)
