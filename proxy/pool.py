@@ -48,6 +48,7 @@ class Engine:
     #: NIXL's measured pull rate on this engine (bytes / transfer time, recent transfers), or
     #: None before any: wire time only, where the hand-over fit times all a user waits for.
     nixl_bytes_per_s: float | None = None
+    _foreign: int = 0
     nixl_transfers: int = 0
     _nixl: tuple[float, float] | None = None  # (bytes, seconds) at the last probe
     #: Scale-down in progress: serves what it has, is picked for nothing new.
@@ -61,6 +62,7 @@ class Engine:
         load = parse_engine_load(metrics_text)
         self.engine_requests = int(load["vllm:num_requests_running"]
                                    + load["vllm:num_requests_waiting"])
+        self._foreign = max(0, self.engine_requests - self.inflight)
         totals = (load["vllm:prompt_tokens_total"], load["vllm:request_success_total"])
         if self._totals is not None:
             d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
@@ -81,8 +83,11 @@ class Engine:
 
     @property
     def foreign_requests(self) -> int:
-        """Requests on the engine that this proxy did not send (other clients or proxies)."""
-        return max(0, self.engine_requests - self.inflight)
+        """Requests on the engine that this proxy did not send (other clients or proxies), as of
+        the last look at its metrics. Counted then, against what this proxy had in flight then:
+        subtracting today's in-flight count from a reading up to a second old would count this
+        proxy's own requests that finished since as somebody else's queue."""
+        return self._foreign
 
     @property
     def name(self) -> str:

@@ -203,3 +203,17 @@ def test_engine_reads_nixl_pull_rate_from_its_metrics():
     assert e.nixl_bytes_per_s == pytest.approx(2e9) and e.nixl_transfers == 4
     e.update_load(text(1e9 + 1e8, 0.5 + 0.1, 5))  # the next pull at 1 GB/s
     assert e.nixl_bytes_per_s == pytest.approx(1.5e9)
+
+
+def test_foreign_load_is_counted_when_the_engine_is_read():
+    """A reading taken while this proxy had 2 requests on the engine, which then finished:
+    they must not turn into 'foreign' queue for the next decisions."""
+    from proxy.pool import Engine
+
+    e = Engine("prefill", client=None)  # type: ignore[arg-type]
+    e.inflight = 2
+    e.update_load('vllm:num_requests_running{engine="0"} 2.0\n'
+                  'vllm:num_requests_waiting{engine="0"} 1.0\n')
+    assert e.foreign_requests == 1  # one request of another client
+    e.inflight = 0  # ours finished; the reading is still the old one
+    assert e.foreign_requests == 1
