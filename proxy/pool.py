@@ -1,8 +1,8 @@
 """The set of prefill and decode engines the proxy routes across, with health and load.
 
 Health is probed in the background and marked down at once on a failed call. Load is what this
-proxy has in flight on each engine plus what the engine itself reports running and waiting for
-other clients. ``pick_*`` return the least-loaded healthy engine that is not draining, or None.
+proxy has in flight on each engine (what the engine reports for other clients is kept for the
+cost model). ``pick_*`` return the least-loaded healthy engine that is not draining, or None.
 
 Membership is fixed (dev mode: the urls in the config) or reconciled from a directory
 (:meth:`EnginePool.reconcile`, Ray mode): new engines join unhealthy until probed, an engine
@@ -272,10 +272,12 @@ def engine_load(metrics_text: str) -> int:
 
 
 def _least_loaded(engines: Sequence[Engine]) -> Engine | None:
-    """Fewest requests in flight (this proxy's plus what the engine reports for other clients);
-    among equals, the one picked longest ago (requests that finish before the next arrives
-    still spread over every engine)."""
+    """Fewest of this proxy's requests in flight; among equals, the one picked longest ago
+    (requests that finish before the next arrives still spread over every engine).
+
+    What engines report for other clients feeds the cost model's queue estimate, not this
+    choice: that reading is up to a second old, and skewed whole bursts onto one engine."""
     usable = [e for e in engines if e.healthy and not e.draining]
     if not usable:
         return None
-    return min(usable, key=lambda e: (e.inflight + e.foreign_requests, e.last_pick))
+    return min(usable, key=lambda e: (e.inflight, e.last_pick))

@@ -8,6 +8,7 @@ against both routes measured on the real engines.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -32,7 +33,6 @@ MODEL = "smollm2"
 DOC_TOKENS = 600
 SLOW_MBIT = 20.0
 FAST_DOC_TOKENS = 1500
-FAST_MIN_MBIT = 500.0
 # The queue another client puts on the prefill engine: long enough (tens of seconds) that the
 # proxy's once-a-second look at the engine's metrics cannot miss it.
 FLOOD_PROMPTS = 8
@@ -66,11 +66,19 @@ def test_fast_link_moves_kv(link_stack):
     """Unthrottled (veth, ~10 Gbit/s): moving a long cached prefix (70 MB of KV) takes tens of
     milliseconds, recomputing it seconds: the proxy must pick disaggregated, and it must be
     measurably faster than local."""
-    wait_for(lambda: min(v["bytes_per_s"] for v in costs(link_stack)["links"].values())
-             > FAST_MIN_MBIT * 1e6 / 8, "the link estimate to recover")
+    def predicted_handover_s() -> float:
+        c = costs(link_stack)
+        return max(v["fixed_s"] + FAST_DOC_TOKENS * c["kv_bytes_per_token"] / v["bytes_per_s"]
+                   for v in c["links"].values())
+
+    # The re-probes re-measure the restored link: wait until the estimate for this document's
+    # hand-over is back under a second (a fit still mixing slow samples predicts seconds).
+    wait_for(lambda: predicted_handover_s() < 1.0, "the link estimate to recover")
     fast = run_case(link_stack, FAST_DOC_TOKENS, seed=404, model=MODEL, repeats=1)
     print("fast link:", fast)
-    assert fast["route"] == "disaggregated", (fast, costs(link_stack))
+    if fast["route"] != "disaggregated":
+        print("costs:", json.dumps(costs(link_stack), indent=1))
+    assert fast["route"] == "disaggregated", fast
     assert fast["disaggregated"] < fast["local"], fast
     assert fast["estimate"] and "disaggregated=" in fast["estimate"]
 
