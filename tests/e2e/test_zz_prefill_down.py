@@ -21,6 +21,18 @@ from tests.e2e.test_pd_outputs import prompt_sources
 from transport import kv_params
 
 
+FALLBACK = 'pd_fallbacks_total{reason="prefill_unreachable"}'
+UNAVAILABLE = 'pd_decisions_total{reason="prefill_unavailable",route="local"}'
+
+
+def sample(metrics: str, series: str) -> float:
+    """One series' value in a Prometheus text (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def prefill_handoff(stack, body: dict) -> kv_params.PrefillHandoff:
     """Run only the prefill leg, straight on the prefill engine."""
     pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
@@ -46,6 +58,8 @@ def test_prefill_down_serves_local(tiny_stack):
     stale_body = {"model": tiny_stack.model_name, "max_tokens": 12, "temperature": 0,
                   "prompt": text_of_tokens(600, seed=77)}
     stale = prefill_handoff(tiny_stack, stale_body)
+    before = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=10).text
+    fallbacks_before, unavailable_before = sample(before, FALLBACK), sample(before, UNAVAILABLE)
     os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
     body = {"model": tiny_stack.model_name, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 4, "temperature": 0}
@@ -63,10 +77,9 @@ def test_prefill_down_serves_local(tiny_stack):
         # Either the first request found prefill unreachable (a counted fallback) and the next
         # skipped it, or the once-a-second health probe marked it down first and both were
         # decided local up front: every request is accounted for either way.
-        fell_back = 'pd_fallbacks_total{reason="prefill_unreachable"} 1.0' in metrics
-        decided = 'pd_decisions_total{reason="prefill_unavailable",route="local"} ' + (
-            "1.0" if fell_back else "2.0")
-        assert decided in metrics, metrics
+        fell_back = sample(metrics, FALLBACK) - fallbacks_before
+        decided = sample(metrics, UNAVAILABLE) - unavailable_before
+        assert (fell_back, decided) in ((1, 1), (0, 2)), (fell_back, decided)
         deadline = time.monotonic() + 10
         while client.get(tiny_stack.proxy_url + "/health").status_code != 503:
             assert time.monotonic() < deadline, "health still ready with prefill down"
