@@ -12,9 +12,11 @@ import contextlib
 import hmac
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import replace
+from typing import Any
 
+import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.admission import Admission
 from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
+from proxy.costs import RouteCosts
+from proxy.directory import Directory, Scaler
 from proxy.engine_client import EngineClient, new_session
 from proxy.errors import (
     InvalidRequest,
@@ -31,10 +35,10 @@ from proxy.errors import (
     UpstreamError,
     error_json,
 )
+from proxy.kv_event_feed import run_feed
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
-from proxy.directory import Directory, Scaler
 from proxy.pool import Engine, EnginePool
 from proxy.requests import (
     ApiRequest,
@@ -44,12 +48,14 @@ from proxy.requests import (
     parse_body,
     take_kv_limits,
 )
-import zmq.asyncio
-
-from proxy.costs import RouteCosts
-from proxy.kv_event_feed import run_feed
 from proxy.tokens import PromptTokenizer
-from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_pairs
+from proxy.warmup import (
+    probe_routes,
+    reprobe_links,
+    reprobe_sizes,
+    warm_up_engine,
+    warm_up_pairs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +172,18 @@ class ProxyState:
             await probe_routes(self.orchestrator, model, self.config.probe_tokens)
         finally:
             self.warmed = True  # failures are logged; requests are served either way
+            # From now on an engine that joins or comes back pays its handshakes before users
+            # do (a restarted engine has a new NIXL agent: every pair handshakes again).
+            self.pool.on_up = lambda engine: self._spawn(warm_up_engine(self.pool, engine, model))
         if self.config.reprobe_s > 0 and self.config.probe_tokens:
             await reprobe_links(self.orchestrator, model,
                                 reprobe_sizes(self.config.probe_tokens), self.config.reprobe_s)
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` in the background until it ends or the proxy stops."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._feeds.values()]

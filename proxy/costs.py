@@ -30,6 +30,7 @@ class RouteCosts:
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
         self._queued_tokens: dict[str, int] = defaultdict(int)
+        self._output_tokens: dict[str, int] = defaultdict(int)
         #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
         self.typical_prompt_tokens = 512
 
@@ -77,6 +78,24 @@ class RouteCosts:
     def end(self, engine: str, tokens: int) -> None:
         self._queued_tokens[engine] = max(0, self._queued_tokens[engine] - tokens)
 
+    def begin_output(self, engine: str, tokens: int) -> None:
+        """Count the output budget (tokens still to generate) of a request decoding on
+        ``engine``: routing load only, it does not delay another request's first token."""
+        self._output_tokens[engine] += tokens
+
+    def end_output(self, engine: str, tokens: int) -> None:
+        self._output_tokens[engine] = max(0, self._output_tokens[engine] - tokens)
+
+    def load_tokens(self, engine: str, foreign_requests: int = 0,
+                    mean_prompt_tokens: float | None = None) -> float:
+        """Outstanding work on ``engine`` in tokens, what routing minimises: this proxy's
+        queued prompt tokens and the output budget of its requests still decoding there (both
+        exact and current), plus the requests other clients have running or waiting on it
+        (queue depth from the engine's metrics), each at the engine's recent mean prompt size."""
+        size = mean_prompt_tokens or self.typical_prompt_tokens
+        return (self._queued_tokens[engine] + self._output_tokens[engine]
+                + foreign_requests * size)
+
     # -- measurements --------------------------------------------------------------------------
     def observe_remote_prefill(self, engine: str, new_tokens: int, seconds: float) -> None:
         self._remote[engine].observe(new_tokens, seconds)
@@ -103,4 +122,5 @@ class RouteCosts:
             "links": {f"{p}->{d}": vars(v.model()) | {"samples": v.n_samples}
                       for (p, d), v in self._links.items()},
             "queued_tokens": dict(self._queued_tokens),
+            "output_tokens": dict(self._output_tokens),
         }

@@ -75,11 +75,25 @@ class _Trace:
     decode_was_idle: bool = False
     queued_tokens: int = 0
     decode_cached_tokens: int = 0
+    #: Output tokens the request may still generate, as counted in the decode engine's load.
+    output_left: int = 0
 
     @property
     def decode_new_tokens(self) -> int:
         """Prompt tokens the decode engine must load or compute (not in its own cache)."""
         return max(0, self.prompt_tokens_est - self.decode_cached_tokens)
+
+
+#: Output budget assumed for a request that sets no max_tokens (routing load only).
+DEFAULT_OUTPUT_BUDGET = 256
+
+
+def output_budget(body: dict[str, Any]) -> int:
+    """The most tokens the request may generate (its max_tokens), for the decode load."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        if isinstance(body.get(key), int):
+            return body[key]
+    return DEFAULT_OUTPUT_BUDGET
 
 
 def prompt_chars(body: dict[str, Any]) -> int:
@@ -132,6 +146,13 @@ class Orchestrator:
     ) -> Reply | Stream:
         """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else least loaded."""
         trace = self._plan(req, prefill, decode)
+        try:
+            return await self._serve(req, trace)
+        except BaseException:
+            self._release_output(trace)
+            raise
+
+    async def _serve(self, req: ApiRequest, trace: _Trace) -> Reply | Stream:
         if trace.decision.route == "disaggregated" and trace.prefill is not None:
             try:
                 trace.handoff = await self._prefill_or_fallback(trace, req)
@@ -180,15 +201,23 @@ class Orchestrator:
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None) -> _Trace:
         t_start = time.perf_counter()
-        decode = decode or self.pool.pick_decode()
-        if decode is None:
-            raise NoEngineAvailable("no decode engine is available")
-        prefill = prefill or self.pool.pick_prefill()
         chars = prompt_chars(req.body)
         ids = self.tokenizer.ids(req.body) if self.tokenizer is not None else None
         tokens = len(ids) if ids is not None else self.costs.token_ratio.tokens(chars)
-        prefill_cached = prefill.index.cached_tokens(ids) if prefill and ids else 0
-        decode_cached = decode.index.cached_tokens(ids) if ids else 0
+        budget = output_budget(req.body)
+
+        def cached(engine: Engine) -> int:
+            return engine.index.cached_tokens(ids) if ids else 0
+
+        # Least outstanding work after this request: its new prompt tokens (those the engine
+        # has not cached) count on both sides; its output budget on the decode side.
+        decode = decode or self.pool.pick_decode(
+            lambda e: self._load(e) + tokens - cached(e) + budget)
+        if decode is None:
+            raise NoEngineAvailable("no decode engine is available")
+        prefill = prefill or self.pool.pick_prefill(lambda e: self._load(e) + tokens - cached(e))
+        prefill_cached = cached(prefill) if prefill else 0
+        decode_cached = cached(decode)
         costs = self.costs.inputs(
             prefill.name if prefill else None, decode.name,
             prefill.foreign_requests if prefill else 0, decode.foreign_requests,
@@ -203,8 +232,25 @@ class Orchestrator:
         if req.force_route is not None and (req.force_route == "local" or prefill is not None):
             decision = replace(decision, route=req.force_route, reason="forced")
         self.metrics.decisions_total.labels(decision.route, decision.reason).inc()
-        return _Trace(decision, prefill, decode, chars, tokens, t_start,
-                      decode_cached_tokens=decode_cached)
+        trace = _Trace(decision, prefill, decode, chars, tokens, t_start,
+                       decode_cached_tokens=decode_cached)
+        self._reserve_output(trace, budget)
+        return trace
+
+    def _load(self, engine: Engine) -> float:
+        return self.costs.load_tokens(engine.name, engine.foreign_requests,
+                                      engine.mean_prompt_tokens)
+
+    def _reserve_output(self, trace: _Trace, budget: int) -> None:
+        trace.output_left = budget
+        self.costs.begin_output(trace.decode.name, budget)
+
+    def _release_output(self, trace: _Trace, tokens: int | None = None) -> None:
+        """Take ``tokens`` (all that is left when None) off the request's output budget."""
+        n = trace.output_left if tokens is None else min(tokens, trace.output_left)
+        if n > 0:
+            trace.output_left -= n
+            self.costs.end_output(trace.decode.name, n)
 
     # -- prefill leg ---------------------------------------------------------------------------
     async def _prefill_or_fallback(
@@ -288,7 +334,7 @@ class Orchestrator:
                 break
             except EngineUnreachable:
                 self.pool.mark_down(decode)
-                other = self.pool.pick_decode()
+                other = self.pool.pick_decode(self._load)
                 if other is None or other.name in tried:
                     raise UpstreamError("the decode engine is unreachable") from None
                 log.warning("decode %s unreachable: retrying %s on %s", decode.name,
@@ -308,9 +354,11 @@ class Orchestrator:
 
     def _switch_decode(self, trace: _Trace, other: Engine) -> None:
         """Move the request's decode (and its queued local prompt work) to ``other``."""
-        local_work = trace.queued_tokens
+        local_work, output_left = trace.queued_tokens, trace.output_left
         self._end_decode_work(trace)
+        self._release_output(trace)
         trace.decode = other
+        self._reserve_output(trace, output_left)
         if local_work:
             trace.queued_tokens = local_work
             trace.decode_was_idle = self.costs.begin(other.name, local_work)
@@ -328,6 +376,7 @@ class Orchestrator:
             finally:
                 stream.close()
                 self._end_decode_work(trace)
+                self._release_output(trace)
         # A whole reply has no first-token time: only its total is recorded.
         self.metrics.stage_seconds.labels("total", trace.route).observe(
             time.perf_counter() - trace.t_start
@@ -368,6 +417,7 @@ class Orchestrator:
                         first = False
                         self._on_first_byte(trace)
                     tail = (tail + chunk)[-32:]
+                    self._release_output(trace, chunk.count(b"data: "))
                     yield chunk
             if _DONE not in tail:
                 raise EngineUnreachable("decode stream ended without [DONE]")
@@ -391,6 +441,7 @@ class Orchestrator:
             decode.inflight -= 1
             stream.close()
             self._end_decode_work(trace)
+            self._release_output(trace)
             self.metrics.stage_seconds.labels("total", trace.route).observe(
                 time.perf_counter() - trace.t_start
             )

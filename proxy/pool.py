@@ -1,8 +1,10 @@
 """The set of prefill and decode engines the proxy routes across, with health and load.
 
-Health is probed in the background and marked down at once on a failed call. Load is what this
-proxy has in flight on each engine (what the engine reports for other clients is kept for the
-cost model). ``pick_*`` return the least-loaded healthy engine that is not draining, or None.
+Health is probed in the background and marked down at once on a failed call. ``pick_*`` return
+the healthy, non-draining engine with the lowest cost, as the caller defines it (the orchestrator
+passes outstanding tokens plus what this request would add, see ``RouteCosts.load_tokens``), or
+None. Among equal costs, fewer of this proxy's requests in flight, then the one picked longest
+ago (so requests that finish before the next arrives still spread over every engine).
 
 Membership is fixed (dev mode: the urls in the config) or reconciled from a directory
 (:meth:`EnginePool.reconcile`, Ray mode): new engines join unhealthy until probed, an engine
@@ -57,6 +59,9 @@ class Engine:
     instance: str = ""
     #: When it was last picked (a pool-wide sequence number): ties rotate.
     last_pick: int = 0
+    #: Up, but its NIXL handshakes with the other role are still being paid (it joined or came
+    #: back after start-up): picked only when no other engine is usable.
+    warming: bool = False
 
     def update_load(self, metrics_text: str) -> None:
         load = parse_engine_load(metrics_text)
@@ -106,6 +111,10 @@ class EndpointInfo:
     instance: str = ""
 
 
+def _no_cost(engine: Engine) -> float:
+    return 0.0
+
+
 class EnginePool:
     def __init__(
         self,
@@ -124,6 +133,8 @@ class EnginePool:
         self._metrics = metrics
         self._health_timeout_s = health_timeout_s
         self._picks = 0
+        #: Called when an engine comes up (first probe, after a restart, a new one joined).
+        self.on_up: Callable[[Engine], None] | None = None
 
     def all(self) -> list[Engine]:
         return [*self.prefill, *self.decode]
@@ -173,11 +184,11 @@ class EnginePool:
             await asyncio.sleep(0.1)
         return True
 
-    def pick_prefill(self) -> Engine | None:
-        return self._picked(_least_loaded(self.prefill))
+    def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost) -> Engine | None:
+        return self._picked(_cheapest(self.prefill, cost))
 
-    def pick_decode(self) -> Engine | None:
-        return self._picked(_least_loaded(self.decode))
+    def pick_decode(self, cost: Callable[[Engine], float] = _no_cost) -> Engine | None:
+        return self._picked(_cheapest(self.decode, cost))
 
     def _picked(self, engine: Engine | None) -> Engine | None:
         if engine is not None:
@@ -207,11 +218,14 @@ class EnginePool:
         engine.index.apply([AllCleared()])
 
     def _set_health(self, engine: Engine, healthy: bool) -> None:
-        if healthy and not engine.healthy:
+        came_up = healthy and not engine.healthy
+        if came_up:
             log.info("engine %s (%s) is up", engine.name, engine.role)
         engine.healthy = healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
         self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
+        if came_up and self.on_up is not None:
+            self.on_up(engine)
 
     async def probe(self, engine: Engine) -> bool:
         """Health check, then the engine's own load (running + waiting requests)."""
@@ -271,13 +285,10 @@ def engine_load(metrics_text: str) -> int:
     return int(load["vllm:num_requests_running"] + load["vllm:num_requests_waiting"])
 
 
-def _least_loaded(engines: Sequence[Engine]) -> Engine | None:
-    """Fewest of this proxy's requests in flight; among equals, the one picked longest ago
-    (requests that finish before the next arrives still spread over every engine).
-
-    What engines report for other clients feeds the cost model's queue estimate, not this
-    choice: that reading is up to a second old, and skewed whole bursts onto one engine."""
+def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float]) -> Engine | None:
+    """Warmed up before warming; then lowest ``cost``; then fewest of this proxy's requests in
+    flight; then picked longest ago."""
     usable = [e for e in engines if e.healthy and not e.draining]
     if not usable:
         return None
-    return min(usable, key=lambda e: (e.inflight, e.last_pick))
+    return min(usable, key=lambda e: (e.warming, cost(e), e.inflight, e.last_pick))

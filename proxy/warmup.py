@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
-from proxy.pool import EnginePool
+from proxy.pool import Engine, EnginePool
 from transport import kv_params
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,26 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
             ok &= await _warm_pair(p.client, d.client, model)
     log.info("warm-up %s", "done" if ok else "failed")
     return ok
+
+
+async def warm_up_engine(pool: EnginePool, engine: Engine, model: str) -> bool:
+    """Pay a (re)joined engine's handshakes with every healthy engine of the other role, while
+    it is marked ``warming`` (routing prefers the others meanwhile); True when all succeeded."""
+    engine.warming = True
+    t0 = time.perf_counter()
+    try:
+        if engine.role == "prefill":
+            pairs = [(engine, d) for d in pool.decode if d.healthy]
+        else:
+            pairs = [(p, engine) for p in pool.prefill if p.healthy]
+        ok = True
+        for p, d in pairs:
+            ok &= await _warm_pair(p.client, d.client, model)
+        log.info("warm-up of %s with %d engine(s) %s in %.2fs", engine.name, len(pairs),
+                 "done" if ok else "failed", time.perf_counter() - t0)
+        return ok
+    finally:
+        engine.warming = False
 
 
 async def _warm_pair(prefill, decode, model: str) -> bool:

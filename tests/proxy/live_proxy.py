@@ -74,6 +74,11 @@ class LiveProxy:
         value = self.state.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
 
+    def outstanding_tokens(self) -> dict[str, float]:
+        """Routing load per engine; all zero once no request is in flight (nothing leaked)."""
+        costs = self.state.orchestrator.costs
+        return {e.name: costs.load_tokens(e.name) for e in self.state.pool.all()}
+
     async def wait_for_metric(self, name: str, want: float, **labels: str) -> None:
         """Poll until the sample equals ``want`` (for counters bumped just after an event)."""
         await wait_until(lambda: self.metric(name, **labels) == want,

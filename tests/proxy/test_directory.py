@@ -208,3 +208,60 @@ async def test_sequential_requests_rotate_over_idle_decodes(prefill, decode, dec
             r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
             assert r.status_code == 200
         assert len(decode.decode_requests) == len(decode_b.decode_requests) == 3
+
+
+async def test_routing_weighs_outstanding_tokens_not_request_counts(prefill, decode, decode_b):
+    """A long answer in progress on decode-0 outweighs a short one on decode-1: two short
+    requests arriving meanwhile both go to decode-1 (counting requests would alternate)."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
+                               info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode, health_interval_s=0.05),
+                          directory=directory) as proxy, httpx.AsyncClient() as c:
+        pool, costs = proxy.state.pool, proxy.state.orchestrator.costs
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "both decodes healthy")
+        decode.decode_gate = asyncio.Event()
+        decode_b.decode_gate = asyncio.Event()
+        long = asyncio.create_task(c.post(proxy.url + "/v1/completions", timeout=30,
+                                          json=dict(BODY, stream=True, max_tokens=2000)))
+        await decode.wait_for_requests(1)  # first pick: both idle, decode-0 (never picked)
+        short = asyncio.create_task(c.post(proxy.url + "/v1/completions", timeout=30,
+                                           json=dict(BODY, stream=True, max_tokens=8)))
+        await decode_b.wait_for_requests(1)
+        assert costs.load_tokens("decode-0") > 2000 - 8 > costs.load_tokens("decode-1") > 0
+        decode_b.decode_gate.set()
+        second = await c.post(proxy.url + "/v1/completions", json=dict(BODY, max_tokens=8),
+                              timeout=30)
+        assert second.status_code == 200 and (await short).status_code == 200
+        assert len(decode.decode_requests) == 1 and len(decode_b.decode_requests) == 2
+        decode.decode_gate.set()
+        assert (await long).status_code == 200
+        # Every budget is given back once the requests are over.
+        assert costs.load_tokens("decode-0") == costs.load_tokens("decode-1") == 0
+        assert costs.load_tokens("prefill-0") == 0
+
+
+
+async def test_an_engine_that_joins_pays_its_handshakes_before_users(prefill, decode, decode_b):
+    """After start-up, a decode engine that joins is warmed up (one P/D request from every
+    prefill engine, paying NIXL's handshake) before it takes user requests."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    async with live_proxy(proxy_config(prefill, decode, health_interval_s=0.05, warmup=True),
+                          directory=directory) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        await wait_until(lambda: proxy.state.ready, "proxy warmed up")
+        decode_b.decode_gate = asyncio.Event()  # hold the warm-up: the engine stays warming
+        directory.infos.append(info("decode-1", decode_b))
+        await decode_b.wait_for_requests(1)
+        joined = pool.get("decode-1")
+        assert joined.healthy and joined.warming
+        assert decode_b.decode_requests[0].request_id == "pdserve-warmup"
+        assert decode_b.decode_requests[0].body["kv_transfer_params"]["do_remote_prefill"]
+        for _ in range(3):  # users go to the warmed engine meanwhile
+            assert (await c.post(proxy.url + "/v1/completions", json=BODY)).status_code == 200
+        assert len(decode_b.decode_requests) == 1
+        decode_b.decode_gate.set()
+        await wait_until(lambda: not joined.warming, "warm-up finished")
+        for _ in range(2):  # then it takes its share
+            assert (await c.post(proxy.url + "/v1/completions", json=BODY)).status_code == 200
+        assert len(decode_b.decode_requests) >= 2

@@ -38,6 +38,8 @@ def disconnects(lp: LiveProxy) -> dict[str, float]:
 async def assert_slot_released(lp: LiveProxy) -> None:
     await lp.wait_for_metric("pd_inflight_requests", 0)
     assert lp.state.admission.inflight == 0
+    await wait_until(lambda: not any(lp.outstanding_tokens().values()),
+                     f"no routing load left: {lp.outstanding_tokens()}")
 
 
 @pytest.mark.parametrize("stream", [True, False])

