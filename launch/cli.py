@@ -70,6 +70,8 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
                         "link throttled to this rate (0 = unthrottled); needs root")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--lease-s", type=int, default=30)
+    p.add_argument("--no-restart", action="store_true",
+                   help="leave an engine that dies down (default: restart it, with backoff)")
     _add_tier_args(p)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this bearer token on /v1/* (default: $PDSERVE_API_KEY)")
@@ -247,6 +249,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         max_inflight=args.max_inflight,
         max_queued=args.max_queued,
         engine_dev_endpoints=args.engine_dev_endpoints,
+        restart_engines=not args.no_restart,
     )
     return run_dev(opts)
 

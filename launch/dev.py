@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from launch.processes import (
     stop_engines,
     wait_ready,
 )
+from launch.supervisor import Supervisor
 from launch.testbed import LinkSpec, ThrottledLink
 from transport.connector import ConnectorOptions
 from transport.kv_size import kv_bytes_per_token_for_model
@@ -63,6 +65,8 @@ class DevOptions:
     offload_store_threshold: int = 0
     offload_fs_dir: str | None = None
     kv_blocks: int | None = None
+    #: Restart an engine that dies (see launch/supervisor.py).
+    restart_engines: bool = True
 
 
 def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
@@ -161,6 +165,7 @@ def run_dev(opts: DevOptions) -> int:
     log_dir = opts.log_dir
     engines: list[EngineProcess] = []
     link: ThrottledLink | None = None
+    supervisor: Supervisor | None = None
     try:
         if opts.link_mbit is not None:
             link = ThrottledLink().create()
@@ -172,6 +177,10 @@ def run_dev(opts: DevOptions) -> int:
         _write_run_file(log_dir, opts, engines)
         print(f"engine logs: {log_dir}/", file=sys.stderr)
         wait_ready(engines, opts.start_timeout_s, Progress())
+        if opts.restart_engines:
+            supervisor = Supervisor(engines, log_dir,
+                                    on_restart=lambda es: _write_run_file(log_dir, opts, es))
+            supervisor.start()
         config = ProxyConfig(
             prefill_urls=(prefill_spec.url,),
             decode_urls=(decode_spec.url,),
@@ -209,13 +218,15 @@ def run_dev(opts: DevOptions) -> int:
     finally:
         print("stopping engines ...", file=sys.stderr, flush=True)
         t0 = time.monotonic()
+        if supervisor is not None:
+            supervisor.stop()
         stop_engines(engines)
         if link is not None:
             link.destroy()
         print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
-def _write_run_file(log_dir: Path, opts: DevOptions, engines: list[EngineProcess]) -> None:
+def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EngineProcess]) -> None:
     """``run.json``: what this dev mode started (pids, urls), for operators and tests."""
     info = {
         "proxy": f"http://{opts.host}:{opts.port}",

@@ -82,11 +82,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False
-                 ) -> EngineProcess:
+def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
+                 append_log: bool = False) -> EngineProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
-    log_file = open(log_path, "wb")
+    log_file = open(log_path, "ab" if append_log else "wb")
+    if append_log:
+        log_file.write(f"\n===== pdserve: {spec.role} engine restarted at "
+                       f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
+        log_file.flush()
     popen = subprocess.Popen(
         engine_argv(spec),
         env=engine_env(spec),

@@ -349,8 +349,10 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         view = state.costs.describe()
         view["engines"] = {
             e.name: {"role": e.role, "url": e.client.base_url, "instance": e.instance,
-                     "healthy": e.healthy,
+                     "healthy": e.healthy, "warming": e.warming,
                      "draining": e.draining, "inflight": e.inflight,
+                     "load_tokens": state.costs.load_tokens(e.name, e.foreign_requests,
+                                                            e.mean_prompt_tokens),
                      "engine_requests": e.engine_requests,
                      "mean_prompt_tokens": e.mean_prompt_tokens,
                      "nixl_bytes_per_s": e.nixl_bytes_per_s, "nixl_transfers": e.nixl_transfers,

@@ -35,6 +35,13 @@ def prompt_sources(decode_url: str) -> dict[str, float]:
     return out
 
 
+def success_count(url: str) -> float:
+    """Requests an engine finished, by its own metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
 def stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, httpx.Headers, list[str]]:
     parts, frames = [], []
     with client.stream("POST", url, json=body) as r:

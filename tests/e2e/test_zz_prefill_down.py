@@ -17,7 +17,7 @@ import httpx
 
 from tests.e2e.conftest import TINY_PORTS
 from tests.e2e.prompts import text_of_tokens
-from tests.e2e.test_pd_outputs import prompt_sources
+from tests.e2e.test_pd_outputs import prompt_sources, success_count
 from transport import kv_params
 
 
@@ -97,6 +97,35 @@ def test_prefill_down_serves_local(tiny_stack):
         assert r.json()["choices"][0]["text"] == alone["choices"][0]["text"]
         assert after["external_kv_transfer"] == before["external_kv_transfer"]
         assert after["local_compute"] - before["local_compute"] >= 600 - 16
+
+
+def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
+    """Dev mode restarted the killed prefill engine (same ports, new process). The proxy saw it
+    come back, paid the new pair's NIXL handshake with a warm-up request before routing users
+    to it, and requests are disaggregated again, their KV pulled over NIXL."""
+    deadline = time.monotonic() + 300
+    with httpx.Client(timeout=60) as client:
+        while True:
+            engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
+            if engines["prefill-0"]["healthy"] and not engines["prefill-0"]["warming"]:
+                break
+            assert time.monotonic() < deadline, f"prefill not back: {tiny_stack.output()[-2000:]}"
+            time.sleep(0.5)
+        pid = tiny_stack.engine_pid("prefill")
+        assert os.path.exists(f"/proc/{pid}"), "run.json names the restarted engine"
+        assert client.get(tiny_stack.proxy_url + "/health").status_code == 200
+        # The warm-up already went through the new prefill engine.
+        assert success_count(tiny_stack.prefill_url) >= 1
+        before = prompt_sources(tiny_stack.decode_url)
+        body = {"model": tiny_stack.model_name, "max_tokens": 8, "temperature": 0,
+                "prompt": text_of_tokens(400, seed=78)}
+        r = client.post(tiny_stack.proxy_url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated", r.text
+        pulled = prompt_sources(tiny_stack.decode_url)["external_kv_transfer"]
+        assert pulled - before["external_kv_transfer"] >= 400 - 16
+        alone = client.post(tiny_stack.decode_url + "/v1/completions", json=body).json()
+        assert r.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert "restarted" in tiny_stack.output()
 
 
 def test_zz_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):

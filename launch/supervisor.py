@@ -1,0 +1,100 @@
+"""Restart dev mode's engines when they die, the way Ray restarts an engine actor.
+
+A background thread looks at each engine twice a second. One that exited while dev mode was
+running is started again with the same spec (same ports, so the proxy finds it at the same url;
+the proxy marks it down on its first failed call or probe, and warms the new engine up with its
+peers before routing to it again). An engine that keeps dying soon after starting is in a crash
+loop: it is restarted with a growing pause, and after ``max_quick_deaths`` deaths in a row it is
+left down with its last log line reported (dev mode keeps serving what it can: with the prefill
+engine down every request is served ``local``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, MutableSequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.processes import EngineProcess, start_engine, stop_engines
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Watch:
+    started: float
+    quick_deaths: int = 0
+    retry_at: float | None = None
+    gave_up: bool = False
+
+
+class Supervisor:
+    """Keeps ``engines`` (a list the caller also stops at shutdown) running.
+
+    Entries are replaced in place when an engine is restarted; ``on_restart`` is called with
+    the list afterwards (dev mode rewrites its run file)."""
+
+    def __init__(
+        self,
+        engines: MutableSequence[EngineProcess],
+        log_dir: Path,
+        on_restart: Callable[[MutableSequence[EngineProcess]], None] | None = None,
+        start: Callable[[EngineProcess], EngineProcess] | None = None,
+        quick_s: float = 120.0,
+        max_quick_deaths: int = 3,
+        poll_s: float = 0.5,
+    ):
+        self.engines = engines
+        self._start = start or (lambda dead: start_engine(dead.spec, log_dir, append_log=True))
+        self._on_restart = on_restart
+        self._quick_s = quick_s
+        self._max_quick_deaths = max_quick_deaths
+        self._poll_s = poll_s
+        self._watch = {i: _Watch(time.monotonic()) for i in range(len(engines))}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+        self.restarts = 0
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (before the engines are stopped, so none is restarted meanwhile)."""
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            for i in range(len(self.engines)):
+                self.check(i, time.monotonic())
+
+    def check(self, i: int, now: float) -> None:
+        """Look at engine ``i`` at time ``now``: note a death, restart when its pause is over."""
+        engine, watch = self.engines[i], self._watch[i]
+        if engine.alive() or watch.gave_up or self._stop.is_set():
+            return
+        if watch.retry_at is None:  # just found dead
+            quick = now - watch.started < self._quick_s
+            watch.quick_deaths = watch.quick_deaths + 1 if quick else 1
+            log.warning("%s exited with code %s; last log line: %r", engine.name,
+                        engine.popen.returncode, engine.last_log_line())
+            if watch.quick_deaths > self._max_quick_deaths:
+                watch.gave_up = True
+                log.error("%s died %d times within %.0fs of starting: left down (log: %s)",
+                          engine.name, watch.quick_deaths, self._quick_s, engine.log_path)
+                return
+            stop_engines([engine], grace_s=2.0)  # whatever is left of its process group
+            watch.retry_at = now + min(30.0, 2.0 ** (watch.quick_deaths - 1))
+        if now < watch.retry_at:
+            return
+        watch.retry_at = None
+        watch.started = now
+        self.engines[i] = self._start(engine)
+        self.restarts += 1
+        log.warning("%s restarted (pid %d)", engine.name, self.engines[i].popen.pid)
+        if self._on_restart is not None:
+            self._on_restart(self.engines)
