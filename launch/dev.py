@@ -194,6 +194,7 @@ def run_dev(opts: DevOptions) -> int:
             prefill_deadline_s=opts.prefill_deadline_s,
             first_byte_deadline_s=opts.first_byte_deadline_s,
             idle_deadline_s=opts.idle_deadline_s,
+            kv_lease_s=opts.lease_s,
             max_inflight=opts.max_inflight,
             max_queued=opts.max_queued,
             prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),

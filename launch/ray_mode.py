@@ -249,6 +249,7 @@ def run_ray(opts: RayOptions) -> int:
             reprobe_s=opts.reprobe_s,
             prefill_deadline_s=opts.prefill_deadline_s,
             first_byte_deadline_s=opts.first_byte_deadline_s,
+            kv_lease_s=opts.template.lease_s,
             max_inflight=opts.max_inflight,
             max_queued=opts.max_queued,
             tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,

@@ -49,6 +49,9 @@ class ProxyConfig(BaseModel):
     first_byte_deadline_s: float = Field(default=120.0, gt=0)
     idle_deadline_s: float = Field(default=60.0, gt=0)
     total_deadline_s: float = Field(default=600.0, gt=0)
+    #: The prefill engines' KV lease (``ConnectorOptions.lease_s``): a hand-off older than
+    #: 80 % of it is not sent to another decode engine on a retry (it recomputes instead).
+    kv_lease_s: float = Field(default=30.0, gt=0)
 
     @field_validator("policy")
     @classmethod
@@ -74,4 +77,5 @@ class ProxyConfig(BaseModel):
             first_byte_s=self.first_byte_deadline_s,
             idle_s=self.idle_deadline_s,
             total_s=self.total_deadline_s,
+            handoff_s=0.8 * self.kv_lease_s,
         )

@@ -14,6 +14,8 @@ class Deadlines:
     ``idle_s``: longest silence between two chunks of a running stream.
     ``total_s``: the whole request, end to end.
     ``health_s``: one health or metrics probe.
+    ``handoff_s``: how old a prefill hand-off may be when a decode engine is sent to read it
+    (below the prefill engine's KV lease, after which its blocks may be reused).
     """
 
     prefill_s: float = 120.0
@@ -21,8 +23,10 @@ class Deadlines:
     idle_s: float = 60.0
     total_s: float = 600.0
     health_s: float = 2.0
+    handoff_s: float = 24.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill_s", "first_byte_s", "idle_s", "total_s", "health_s"):
+        for name in ("prefill_s", "first_byte_s", "idle_s", "total_s", "health_s",
+                     "handoff_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

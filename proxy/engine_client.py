@@ -18,7 +18,19 @@ import aiohttp
 
 
 class EngineUnreachable(Exception):
-    """The engine could not be reached or dropped the connection."""
+    """The engine could not be reached or dropped the connection.
+
+    ``delivered`` is False only when no connection was made (the request surely never reached
+    the engine); otherwise the engine may have seen, and begun, the request."""
+
+    def __init__(self, message: str, delivered: bool = True):
+        super().__init__(message)
+        self.delivered = delivered
+
+
+def _unreachable(name: str, exc: BaseException) -> EngineUnreachable:
+    return EngineUnreachable(f"{name}: {type(exc).__name__}",
+                             delivered=not isinstance(exc, aiohttp.ClientConnectorError))
 
 
 class EngineTimeout(Exception):
@@ -93,7 +105,7 @@ class EngineClient:
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} did not answer within {timeout_s:g}s") from exc
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise EngineUnreachable(f"{self.name}: {type(exc).__name__}") from exc
+            raise _unreachable(self.name, exc) from exc
 
     async def open_stream(
         self,
@@ -112,7 +124,7 @@ class EngineClient:
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} did not start answering in {first_byte_s:g}s") from exc
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise EngineUnreachable(f"{self.name}: {type(exc).__name__}") from exc
+            raise _unreachable(self.name, exc) from exc
         return EngineStream(resp, idle_s)
 
     async def get_text(self, path: str, timeout_s: float) -> tuple[int, str]:
@@ -123,7 +135,7 @@ class EngineClient:
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} {path} timed out") from exc
         except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-            raise EngineUnreachable(f"{self.name}: {type(exc).__name__}") from exc
+            raise _unreachable(self.name, exc) from exc
 
 
 def _dumps(body: Mapping[str, Any]) -> bytes:

@@ -161,25 +161,17 @@ class Orchestrator:
                 raise
         trace.route = "disaggregated" if trace.handoff is not None else "local"
         trace.t_handoff = time.perf_counter()
-        body = dict(req.body)
-        handoff_params = (kv_params.decode_request_params(trace.handoff)
-                          if trace.handoff is not None else None)
-        if (params := kv_params.with_limits(handoff_params, req.kv_limits)) is not None:
-            body[kv_params.BODY_KEY] = params
+        body = self._decode_body(req, trace.handoff)
         if trace.handoff is not None:
             self.metrics.stage_seconds.labels("prefill", trace.route).observe(
                 trace.t_handoff - trace.t_start
             )
-        else:  # the decode engine computes the prompt: that is queued prompt work on it
-            trace.queued_tokens = trace.decode_new_tokens
-            trace.decode_was_idle = self.costs.begin(trace.decode.name, trace.queued_tokens)
-        out_headers = {"x-request-id": req.request_id, "x-pd-route": trace.route}
-        if (estimate := estimate_header(trace.decision)) is not None:
-            out_headers["x-pd-estimate"] = estimate
+        else:
+            self._begin_local_work(trace)
         try:
             if not req.stream:
-                return Reply(trace.route, 200, await self._decode_whole(trace, req, body),
-                             out_headers)
+                data = await self._decode_whole(trace, req, body)
+                return Reply(trace.route, 200, data, self._headers(req, trace))
             stream = await self._open_decode(trace, req, body)
         except asyncio.CancelledError:
             self._end_decode_work(trace)
@@ -196,7 +188,29 @@ class Orchestrator:
         except BaseException:
             self._end_decode_work(trace)
             raise
-        return Stream(trace.route, self._relay(stream, trace), out_headers)
+        return Stream(trace.route, self._relay(stream, trace), self._headers(req, trace))
+
+    def _decode_body(self, req: ApiRequest, handoff: kv_params.PrefillHandoff | None
+                     ) -> dict[str, Any]:
+        """The client's request for the decode engine: with the hand-off (pull the KV) or
+        without (compute the prompt), plus the client's KV limits either way."""
+        body = dict(req.body)
+        params = kv_params.decode_request_params(handoff) if handoff is not None else None
+        if (params := kv_params.with_limits(params, req.kv_limits)) is not None:
+            body[kv_params.BODY_KEY] = params
+        return body
+
+    def _begin_local_work(self, trace: _Trace) -> None:
+        """The decode engine computes the prompt: that is queued prompt work on it."""
+        trace.queued_tokens = trace.decode_new_tokens
+        trace.decode_was_idle = self.costs.begin(trace.decode.name, trace.queued_tokens)
+
+    @staticmethod
+    def _headers(req: ApiRequest, trace: _Trace) -> dict[str, str]:
+        headers = {"x-request-id": req.request_id, "x-pd-route": trace.route}
+        if (estimate := estimate_header(trace.decision)) is not None:
+            headers["x-pd-estimate"] = estimate
+        return headers
 
     # -- planning ------------------------------------------------------------------------------
     def _plan(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None) -> _Trace:
@@ -332,7 +346,7 @@ class Orchestrator:
                         self.deadlines.first_byte_s, self.deadlines.idle_s,
                     )
                 break
-            except EngineUnreachable:
+            except EngineUnreachable as exc:
                 self.pool.mark_down(decode)
                 other = self.pool.pick_decode(self._load)
                 if other is None or other.name in tried:
@@ -341,6 +355,9 @@ class Orchestrator:
                             req.request_id, other.name)
                 self.metrics.fallbacks_total.labels("decode_retried").inc()
                 self._switch_decode(trace, other)
+                if trace.handoff is not None and (
+                        exc.delivered or self._handoff_age(trace) > self.deadlines.handoff_s):
+                    body = self._recompute_instead(trace, req, exc.delivered)
             except EngineTimeout:
                 raise StageTimeout("the decode engine did not answer in time") from None
         trace.decode_answered = True
@@ -351,6 +368,24 @@ class Orchestrator:
                 stream.close()
             raise from_engine_error(stream.status, data)
         return stream
+
+    @staticmethod
+    def _handoff_age(trace: _Trace) -> float:
+        return time.perf_counter() - trace.t_handoff
+
+    def _recompute_instead(self, trace: _Trace, req: ApiRequest, delivered: bool
+                           ) -> dict[str, Any]:
+        """Drop the hand-off: the next decode engine computes the prompt itself. Used when the
+        engine that failed may have read the KV already (its read frees the prefill's blocks,
+        which may then hold another request's KV), or when the prefill's lease on them is
+        nearly over: a late read of blocks reused meanwhile would be silent garbage."""
+        reason = "handoff_maybe_read" if delivered else "handoff_expired"
+        log.warning("%s: the retry computes the prompt (%s)", req.request_id, reason)
+        self.metrics.fallbacks_total.labels(reason).inc()
+        trace.handoff = None
+        trace.route = "local"
+        self._begin_local_work(trace)
+        return self._decode_body(req, None)
 
     def _switch_decode(self, trace: _Trace, other: Engine) -> None:
         """Move the request's decode (and its queued local prompt work) to ``other``."""

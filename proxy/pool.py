@@ -254,9 +254,10 @@ class EnginePool:
         await asyncio.gather(*(self.probe(e) for e in self.all()))
 
     async def run_health_loop(self, interval_s: float) -> None:
+        """Probe every engine each ``interval_s`` (the caller has probed them once already)."""
         while True:
-            await self.probe_all()
             await asyncio.sleep(interval_s)
+            await self.probe_all()
 
 
 _LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",

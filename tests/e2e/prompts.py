@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from functools import lru_cache
 
 _WORDS = (
@@ -12,8 +13,16 @@ _WORDS = (
 ).split()
 
 
-@lru_cache(maxsize=2)
+_LOAD = threading.Lock()  # transformers' lazy imports are not thread-safe (test load threads)
+
+
 def _tokenizer(model: str):
+    with _LOAD:
+        return _load_tokenizer(model)
+
+
+@lru_cache(maxsize=2)
+def _load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     from launch.models import ensure_model

@@ -265,3 +265,65 @@ async def test_an_engine_that_joins_pays_its_handshakes_before_users(prefill, de
         for _ in range(2):  # then it takes its share
             assert (await c.post(proxy.url + "/v1/completions", json=BODY)).status_code == 200
         assert len(decode_b.decode_requests) >= 2
+
+
+async def test_a_decode_that_may_have_read_the_kv_is_retried_without_the_handoff(
+        prefill, decode_b):
+    """decode-0 takes the request and drops the connection without answering: it may have
+    pulled the KV already, and that read frees the prefill's blocks for reuse. The retry on
+    decode-1 therefore computes the prompt itself (no hand-off): never a second read of
+    blocks that may hold another request's KV by then."""
+    got: list[bytes] = []
+
+    async def take_and_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        got.append(await reader.read(65536))
+        writer.close()
+
+    dropper = await asyncio.start_server(take_and_drop, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{dropper.sockets[0].getsockname()[1]}"
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-1", decode_b)])
+    try:
+        async with live_proxy(proxy_config(prefill, decode_b), directory=directory) as proxy, \
+                httpx.AsyncClient() as c:
+            pool = proxy.state.pool
+            await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
+                             "decode-1 healthy")
+            # decode-0 joins as healthy (its probe is faked: the dropper answers nothing).
+            directory.infos.append(EndpointInfo("decode-0", "decode", url))
+            await wait_until(lambda: pool.get("decode-0") is not None, "decode-0 listed")
+            dropping = pool.get("decode-0")
+            for stream in (False, True):
+                dropping.healthy = True
+                dropping.last_pick = -1  # picked first
+                decode_b.decode_requests.clear()
+                r = await c.post(proxy.url + "/v1/completions",
+                                 json=dict(BODY, stream=stream), timeout=30)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-pd-route"] == "local"
+                (retried,) = decode_b.decode_requests
+                assert "kv_transfer_params" not in retried.body
+            posts = [g for g in got if g.startswith(b"POST")]  # (the rest: health probes)
+            assert len(posts) == 2 and all(b"do_remote_prefill" in p for p in posts), posts
+            assert proxy.metric("pd_fallbacks_total", reason="handoff_maybe_read") == 2
+            assert proxy.metric("pd_fallbacks_total", reason="decode_retried") == 2
+            assert not any(proxy.outstanding_tokens().values()), proxy.outstanding_tokens()
+    finally:
+        dropper.close()
+
+
+async def test_a_retry_past_the_lease_computes_the_prompt(prefill, decode, decode_b):
+    """A hand-off is never sent out once the prefill's lease on its blocks is nearly over
+    (here the lease is a microsecond, so any retry is too late): the retry recomputes."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
+                               info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode, kv_lease_s=1e-6),
+                          directory=directory) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "both decodes healthy")
+        await decode.stop()  # refuses connections: the request surely never reached it
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200 and r.headers["x-pd-route"] == "local", r.text
+        (retried,) = decode_b.decode_requests
+        assert "kv_transfer_params" not in retried.body
+        assert proxy.metric("pd_fallbacks_total", reason="handoff_expired") == 1
