@@ -69,6 +69,8 @@ class _Trace:
     route: str = "local"
     handoff: kv_params.PrefillHandoff | None = None
     t_handoff: float = 0.0
+    #: Unix time after which the hand-off must not be read (the prefill's lease may be over).
+    read_by: float = 0.0
     t_decode_sent: float = 0.0
     #: The decode engine sent its response headers (it has the request).
     decode_answered: bool = False
@@ -161,7 +163,9 @@ class Orchestrator:
                 raise
         trace.route = "disaggregated" if trace.handoff is not None else "local"
         trace.t_handoff = time.perf_counter()
-        body = self._decode_body(req, trace.handoff)
+        # The prefill engine frees the blocks when its lease ends; they may then be reused.
+        trace.read_by = time.time() + self.deadlines.handoff_s
+        body = self._decode_body(req, trace)
         if trace.handoff is not None:
             self.metrics.stage_seconds.labels("prefill", trace.route).observe(
                 trace.t_handoff - trace.t_start
@@ -190,12 +194,13 @@ class Orchestrator:
             raise
         return Stream(trace.route, self._relay(stream, trace), self._headers(req, trace))
 
-    def _decode_body(self, req: ApiRequest, handoff: kv_params.PrefillHandoff | None
-                     ) -> dict[str, Any]:
-        """The client's request for the decode engine: with the hand-off (pull the KV) or
-        without (compute the prompt), plus the client's KV limits either way."""
+    def _decode_body(self, req: ApiRequest, trace: _Trace) -> dict[str, Any]:
+        """The client's request for the decode engine: with the hand-off (pull the KV, if the
+        engine gets to it by ``trace.read_by``) or without (compute the prompt), plus the
+        client's KV limits either way."""
         body = dict(req.body)
-        params = kv_params.decode_request_params(handoff) if handoff is not None else None
+        params = (kv_params.decode_request_params(trace.handoff, read_by=trace.read_by)
+                  if trace.handoff is not None else None)
         if (params := kv_params.with_limits(params, req.kv_limits)) is not None:
             body[kv_params.BODY_KEY] = params
         return body
@@ -355,8 +360,7 @@ class Orchestrator:
                             req.request_id, other.name)
                 self.metrics.fallbacks_total.labels("decode_retried").inc()
                 self._switch_decode(trace, other)
-                if trace.handoff is not None and (
-                        exc.delivered or self._handoff_age(trace) > self.deadlines.handoff_s):
+                if trace.handoff is not None and (exc.delivered or time.time() > trace.read_by):
                     body = self._recompute_instead(trace, req, exc.delivered)
             except EngineTimeout:
                 raise StageTimeout("the decode engine did not answer in time") from None
@@ -368,10 +372,6 @@ class Orchestrator:
                 stream.close()
             raise from_engine_error(stream.status, data)
         return stream
-
-    @staticmethod
-    def _handoff_age(trace: _Trace) -> float:
-        return time.perf_counter() - trace.t_handoff
 
     def _recompute_instead(self, trace: _Trace, req: ApiRequest, delivered: bool
                            ) -> dict[str, Any]:
@@ -385,7 +385,7 @@ class Orchestrator:
         trace.handoff = None
         trace.route = "local"
         self._begin_local_work(trace)
-        return self._decode_body(req, None)
+        return self._decode_body(req, trace)
 
     def _switch_decode(self, trace: _Trace, other: Engine) -> None:
         """Move the request's decode (and its queued local prompt work) to ``other``."""

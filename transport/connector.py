@@ -95,6 +95,8 @@ def nixl_child(role: Role, options: ConnectorOptions) -> dict[str, Any]:
             "kv_lease_duration": options.lease_s,
             "backends": list(options.backends),
         },
+        # vLLM's connector plus the hand-off read-by check (transport/nixl_lease.py).
+        "kv_connector_module_path": "transport.nixl_lease",
     }
     if options.cpu_fixes:
         child["kv_connector_module_path"] = "transport.nixl_cpu"

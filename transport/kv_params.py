@@ -7,6 +7,8 @@ for the params of a prefill request, turns the prefill's reply into a typed, fro
 Wire versions (bump on any change to what we send or require):
   1: vLLM 0.32 / NIXL connector version 14 — pull mode; decode gets the prefill's params verbatim
      plus ``prompt_token_ids`` so it skips templating and tokenization.
+  2: plus ``pdserve_read_by`` (unix seconds) on the decode request: pdserve's NIXL connector
+     (``transport/nixl_lease.py``) does not read a hand-off that reaches its scheduler later.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 #: The request-body field that carries the params, on requests and on replies.
 BODY_KEY = "kv_transfer_params"
 #: The top-level reply field with the prompt's token ids (present when ``return_token_ids``).
 PROMPT_TOKEN_IDS_KEY = "prompt_token_ids"
+#: Decode-request key: read the hand-off's blocks only before this time (unix seconds).
+READ_BY_KEY = "pdserve_read_by"
 
 _REQUIRED_HANDOFF_KEYS = (
     "remote_engine_id",
@@ -115,11 +119,29 @@ def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
     )
 
 
-def decode_request_params(handoff: PrefillHandoff) -> dict[str, Any]:
-    """Params for the decode request: pull ``handoff``'s blocks and reuse its prompt token ids."""
+def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None
+                          ) -> dict[str, Any]:
+    """Params for the decode request: pull ``handoff``'s blocks and reuse its prompt token ids;
+    with ``read_by`` (unix seconds), only if the decode engine gets to them before then."""
     params = dict(handoff.params)
     params[PROMPT_TOKEN_IDS_KEY] = list(handoff.prompt_token_ids)
+    if read_by is not None:
+        params[READ_BY_KEY] = read_by
     return params
+
+
+def drop_late_handoff(params: dict[str, Any] | None, now: float) -> bool:
+    """On the decode engine: drop a hand-off whose read-by time is before ``now`` (unix
+    seconds), so the engine computes the prompt instead; True when dropped. The read-by key is
+    removed either way: only the first look at a request counts."""
+    if not params or not params.get("do_remote_prefill"):
+        return False
+    read_by = params.pop(READ_BY_KEY, None)
+    if isinstance(read_by, bool) or not isinstance(read_by, (int, float)) or now <= read_by:
+        return False
+    params["do_remote_prefill"] = False
+    params.pop("remote_block_ids", None)  # nothing to read, nothing to release on prefill
+    return True
 
 
 #: pdserve's request field for per-request KV limits (clients may set these, never the params).

@@ -12,7 +12,8 @@
 Measured side by side (benchmarks/ttft_breakdown.py --mode nixl-fix-ab, tiny model, 1.6k-token
 prompts, 2-core box under load): p50 prefill time x0.13, direct P/D TTFT x0.12, hand-over x0.58
 with both fixes. Keys in the NIXL child's ``kv_connector_extra_config``:
-``nixl_progress_delay_us`` (int) and ``restore_cpu_affinity`` (bool). Otherwise vLLM's connector.
+``nixl_progress_delay_us`` (int) and ``restore_cpu_affinity`` (bool). Otherwise
+``transport/nixl_lease.py``'s connector (vLLM's, plus the hand-off read-by check).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import importlib
 import os
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as _VllmNixlConnector
+from transport.nixl_lease import NixlConnector as _LeasedNixlConnector
 
 DELAY_KEY = "nixl_progress_delay_us"
 AFFINITY_KEY = "restore_cpu_affinity"
@@ -41,7 +42,7 @@ def install_progress_delay(delay_us: int) -> None:
     bindings.nixlAgent = make_agent
 
 
-class NixlConnector(_VllmNixlConnector):
+class NixlConnector(_LeasedNixlConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         ktc = vllm_config.kv_transfer_config
         extra = (lambda key: ktc.get_from_extra_config(key, None)) if ktc else (lambda key: None)

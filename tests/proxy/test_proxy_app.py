@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
 from live_proxy import proxy_config
 from proxy.app import create_app
+from transport import kv_params
 from transport.kv_params import prefill_request_params
 
 CHAT_PATH = "/v1/chat/completions"
@@ -155,10 +157,14 @@ async def test_pd_happy_path(prefill: FakeEngine, decode: FakeEngine, path: str)
     assert without(p.body, "max_tokens", "stream", "return_token_ids", "kv_transfer_params") == \
         without(body, "max_tokens")
 
-    # Decode: the client's body untouched, plus the prefill's params and prompt ids.
+    # Decode: the client's body untouched, plus the prefill's params and prompt ids, and the
+    # time after which the decode engine must not read the blocks: 80 % of the 30 s lease away.
     assert without(d.body, "kv_transfer_params") == body
+    sent = dict(d.body["kv_transfer_params"])
+    read_by = sent.pop(kv_params.READ_BY_KEY)
+    assert 0.8 * 30 - 5 < read_by - time.time() <= 0.8 * 30
     expected = prefill.handoffs[0] | {"prompt_token_ids": prefill.handoff_prompt_ids[0]}
-    assert d.body["kv_transfer_params"] == expected
+    assert sent == expected
     assert d.body["kv_transfer_params"]["x_fake_engine_extra"] == {"kept": True}
 
 

@@ -103,7 +103,47 @@ def test_cpu_fixes_load_pdserve_nixl_connector_on_the_nixl_child_only():
     assert child["kv_connector_extra_config"]["restore_cpu_affinity"] is True
     assert "kv_connector_module_path" not in cfg
     plain = kv_transfer_config("decode", ConnectorOptions())
-    assert "kv_connector_module_path" not in plain["kv_connector_extra_config"]["connectors"][0]
+    (gpu_child,) = plain["kv_connector_extra_config"]["connectors"]
+    assert gpu_child["kv_connector_module_path"] == "transport.nixl_lease"
+    assert "nixl_progress_delay_us" not in gpu_child["kv_connector_extra_config"]
+
+
+def test_both_connector_modules_load_and_check_the_read_by_time():
+    import importlib
+
+    from transport import nixl_lease
+
+    for module in ("transport.nixl_lease", "transport.nixl_cpu"):
+        cls = importlib.import_module(module).NixlConnector
+        assert issubclass(cls, nixl_lease.NixlConnector)
+        assert cls.get_num_new_matched_tokens is nixl_lease.NixlConnector.get_num_new_matched_tokens
+
+
+def test_a_late_handoff_is_dropped_and_an_early_one_kept():
+    # (the check the connector runs; the key names are kv_params' own)
+    from transport import kv_params
+
+    expire_if_late = kv_params.drop_late_handoff
+
+    def params(read_by):
+        p = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
+        if read_by is not None:
+            p[kv_params.READ_BY_KEY] = read_by
+        return p
+
+    early = params(100.0)
+    assert not expire_if_late(early, now=99.0)
+    assert early["do_remote_prefill"] and early["remote_block_ids"] == [[1, 2]]
+    assert kv_params.READ_BY_KEY not in early  # looked at once: later looks do nothing
+    assert not expire_if_late(early, now=1000.0)
+    late = params(100.0)
+    assert expire_if_late(late, now=100.5)
+    assert late["do_remote_prefill"] is False and "remote_block_ids" not in late
+    no_deadline = params(None)
+    assert not expire_if_late(no_deadline, now=1e12) and no_deadline["do_remote_prefill"]
+    assert not expire_if_late(params("soon"), now=1e12)  # malformed: ignored, not a crash
+    assert not expire_if_late(None, now=0.0)
+    assert not expire_if_late({"do_remote_decode": True, kv_params.READ_BY_KEY: 1.0}, now=5.0)
 
 
 def test_file_system_tier_on_gpu_and_refused_on_cpu():
