@@ -121,13 +121,14 @@ class FakeEngine:
     def completion_requests(self) -> list[Recorded]:
         return [*self.prefill_requests, *self.decode_requests]
 
-    async def wait_for_health_checks(self, n: int) -> None:
-        async with self._changed:
+    async def wait_for_health_checks(self, n: int, timeout_s: float = 30.0) -> None:
+        async with asyncio.timeout(timeout_s), self._changed:
             await self._changed.wait_for(lambda: self.health_checks >= n)
 
-    async def wait_for_requests(self, n: int) -> None:
-        """Wait until ``n`` completion requests have arrived (hung ones included)."""
-        async with self._changed:
+    async def wait_for_requests(self, n: int, timeout_s: float = 30.0) -> None:
+        """Wait until ``n`` completion requests have arrived (hung ones included); a test that
+        waits in vain fails after ``timeout_s`` instead of hanging CI."""
+        async with asyncio.timeout(timeout_s), self._changed:
             await self._changed.wait_for(lambda: self._arrived >= n)
 
     async def _notify(self) -> None:
