@@ -146,7 +146,7 @@ class Orchestrator:
     async def serve(
         self, req: ApiRequest, prefill: Engine | None = None, decode: Engine | None = None
     ) -> Reply | Stream:
-        """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else least loaded."""
+        """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else the cheapest."""
         trace = self._plan(req, prefill, decode)
         try:
             return await self._serve(req, trace)
