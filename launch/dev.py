@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +19,7 @@ from launch.engines import EngineSpec, default_dtype, detect_device
 from launch.processes import (
     EngineProcess,
     check_ports_free,
+    reporting_shutdown,
     start_engine,
     stop_engines,
     wait_ready,
@@ -217,14 +217,12 @@ def run_dev(opts: DevOptions) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        print("stopping engines ...", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        if supervisor is not None:
-            supervisor.stop()
-        stop_engines(engines)
-        if link is not None:
-            link.destroy()
-        print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+        with reporting_shutdown():
+            if supervisor is not None:
+                supervisor.stop()
+            stop_engines(engines)
+            if link is not None:
+                link.destroy()
 
 
 def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EngineProcess]) -> None:

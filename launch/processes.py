@@ -10,9 +10,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +152,15 @@ def stop_engines(engines: Sequence[EngineProcess], grace_s: float = 10.0) -> Non
             e.popen.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+
+@contextmanager
+def reporting_shutdown() -> Iterator[None]:
+    """Around a deployment's shutdown: say so on stderr, then how long it took."""
+    print("stopping engines ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    yield
+    print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from proxy.pool import EndpointInfo
 
@@ -265,9 +266,7 @@ def run_ray(opts: RayOptions) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        print("stopping engines ...", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
-        if not ray_gone.is_set():  # else the engines went with the cluster's workers
-            scaler.stop_all()
-            ray.shutdown()
-        print(f"stopped in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+        with reporting_shutdown():
+            if not ray_gone.is_set():  # else the engines went with the cluster's workers
+                scaler.stop_all()
+                ray.shutdown()

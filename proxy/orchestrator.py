@@ -225,8 +225,12 @@ class Orchestrator:
         tokens = len(ids) if ids is not None else self.costs.token_ratio.tokens(chars)
         budget = output_budget(req.body)
 
-        def cached(engine: Engine) -> int:
-            return engine.index.cached_tokens(ids) if ids else 0
+        hits: dict[str, int] = {}
+
+        def cached(engine: Engine) -> int:  # once per engine: picking and deciding both ask
+            if engine.name not in hits:
+                hits[engine.name] = engine.index.cached_tokens(ids) if ids else 0
+            return hits[engine.name]
 
         # Least outstanding work after this request: its new prompt tokens (those the engine
         # has not cached) count on both sides; its output budget on the decode side.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from launch import testbed
-from tests.e2e.stack import DevStack, start_stack, stop_stack
+from tests.e2e.stack import DevStack, mark_e2e, serving
 
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
 #: Short per-stage deadlines (the tiny model answers in well under a second), so the stall
@@ -20,15 +20,12 @@ STAGE_DEADLINES = ["--prefill-deadline-s", str(PREFILL_DEADLINE_S),
 
 @pytest.fixture(scope="package")
 def tiny_stack(tmp_path_factory) -> DevStack:
-    stack = start_stack(
+    with serving(
         "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
         extra=["--policy", "disaggregate", "--kv-events-base-port", "15700",
                "--kv-cache-gib", "1", *STAGE_DEADLINES], **TINY_PORTS,
-    )
-    yield stack
-    alive = stop_stack(stack)
-    assert stack.popen.returncode is not None
-    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+    ) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="package")
@@ -36,19 +33,15 @@ def smollm2_stack(tmp_path_factory) -> DevStack:
     """`pdserve dev` on the default model (SmolLM2-135M-Instruct), policy auto, with the prefill
     engine behind the throttled-link testbed when this machine can make one (root)."""
     link = ["--link-mbit", "0"] if testbed.available() else []
-    stack = start_stack(
+    with serving(
         "smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
         log_dir=tmp_path_factory.mktemp("smollm2-stack"), model_name="SmolLM2-135M-Instruct",
         extra=["--kv-events-base-port", "17700", "--kv-cache-gib", "1", "--probe-tokens",
                "64,256", "--reprobe-s", "5", "--engine-dev-endpoints", *link],
-    )
-    stack.prefill_url = stack.run_info()["engines"][0]["url"]
-    yield stack
-    alive = stop_stack(stack)
-    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+    ) as stack:
+        stack.prefill_url = stack.run_info()["engines"][0]["url"]
+        yield stack
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if "/e2e/" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
+    mark_e2e(items, "e2e")

@@ -9,8 +9,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -72,6 +75,28 @@ def start_stack(
             raise RuntimeError(f"pdserve dev not ready in {timeout_s}s:\n{stack.output()[-3000:]}")
         time.sleep(1)
     return stack
+
+
+@contextmanager
+def serving(model: str, **kwargs: Any) -> Iterator[DevStack]:
+    """A package fixture's stack: start it, hand it out, then stop it and check that the dev
+    process ended and no engine process survived its SIGTERM."""
+    stack = start_stack(model, **kwargs)
+    try:
+        yield stack
+    finally:
+        alive = stop_stack(stack)
+    assert stack.popen.returncode is not None, "pdserve dev did not exit"
+    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+
+
+def mark_e2e(items: Iterable[Any], package: str) -> None:
+    """Mark the tests collected from ``tests/<package>/`` as end-to-end (real engines)."""
+    import pytest  # (benchmarks import this module without pytest installed)
+
+    for item in items:
+        if f"/{package}/" in str(item.fspath):
+            item.add_marker(pytest.mark.e2e)
 
 
 def stop_stack(stack: DevStack, timeout_s: float = 60.0) -> list[int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import DevStack, start_stack, stop_stack
+from tests.e2e.stack import DevStack, mark_e2e, serving
 
 KV_BLOCKS = 24
 LEASE_S = 6
@@ -14,19 +14,15 @@ LEASE_S = 6
 
 @pytest.fixture(scope="package")
 def tier_stack(tmp_path_factory) -> DevStack:
-    stack = start_stack(
+    with serving(
         "tiny", port=16000, engine_base_port=16100, side_channel_base_port=16600,
         log_dir=tmp_path_factory.mktemp("tier-stack"), model_name="pdserve-tiny",
         extra=["--policy", "local", "--kv-events-base-port", "16700", "--offload-gib", "0.25",
                "--kv-blocks", str(KV_BLOCKS), "--max-model-len", "2048", "--probe-tokens", "",
                "--lease-s", str(LEASE_S)],
-    )
-    yield stack
-    alive = stop_stack(stack)
-    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+    ) as stack:
+        yield stack
 
 
 def pytest_collection_modifyitems(items):
-    for item in items:
-        if "/offload/" in str(item.fspath):
-            item.add_marker(pytest.mark.e2e)
+    mark_e2e(items, "offload")
