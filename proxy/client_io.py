@@ -10,8 +10,8 @@ work (closing engine connections, which makes vLLM abort and free the request's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -44,24 +44,30 @@ async def read_body(request: Request, limit_bytes: int, deadline_s: float) -> by
     return b"".join(chunks)
 
 
-async def serve_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+async def serve_unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` in this task; if the client hangs up first, cancel it and raise ClientGone.
+
+    The work runs in the calling task (no task hop on the request's critical path); one
+    watcher task listens for the disconnect and cancels this task when it comes."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        gone = True
+        current.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
     except asyncio.CancelledError:
-        task.cancel()
-        raise
+        if gone and current.uncancel() == 0:
+            raise ClientGone() from None
+        raise  # cancelled for another reason (shutdown): not ours to swallow
     finally:
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - the work is abandoned; its cleanup ran
-        pass
-    raise ClientGone()
 
 
 async def _disconnected(request: Request) -> None:

@@ -66,8 +66,11 @@ class EngineStream:
         content = self._response.content
         while True:
             try:
-                chunk = await asyncio.wait_for(content.readany(), self._idle_s)
-            except asyncio.TimeoutError as exc:
+                # A timer per read (no task per read, as ``wait_for`` would make); the time
+                # the consumer takes with a chunk is not counted.
+                async with asyncio.timeout(self._idle_s):
+                    chunk = await content.readany()
+            except TimeoutError as exc:
                 raise EngineTimeout("engine stream went silent") from exc
             except (aiohttp.ClientError, ConnectionError) as exc:
                 raise EngineUnreachable(str(exc) or type(exc).__name__) from exc
@@ -149,4 +152,6 @@ def _json_headers(extra: Mapping[str, str]) -> dict[str, str]:
 def new_session() -> aiohttp.ClientSession:
     """The one pooled session a proxy process uses for all engines (keep-alive, no global cap)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    # Engines set no cookies: a dummy jar skips a cookie lookup on every request.
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                 cookie_jar=aiohttp.DummyCookieJar())

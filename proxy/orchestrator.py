@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -79,6 +79,14 @@ class _Trace:
     decode_cached_tokens: int = 0
     #: Output tokens the request may still generate, as counted in the decode engine's load.
     output_left: int = 0
+    #: Bookkeeping (fits, histograms) deferred until the client has its first bytes: none of
+    #: it changes this request's route, so none of it belongs on its critical path.
+    deferred: list[Callable[[], None]] = field(default_factory=list)
+
+    def run_deferred(self) -> None:
+        work, self.deferred = self.deferred, []
+        for fn in work:
+            fn()
 
     @property
     def decode_new_tokens(self) -> int:
@@ -167,9 +175,8 @@ class Orchestrator:
         trace.read_by = time.time() + self.deadlines.handoff_s
         body = self._decode_body(req, trace)
         if trace.handoff is not None:
-            self.metrics.stage_seconds.labels("prefill", trace.route).observe(
-                trace.t_handoff - trace.t_start
-            )
+            trace.deferred.append(lambda: self.metrics.stage_seconds.labels(
+                "prefill", trace.route).observe(trace.t_handoff - trace.t_start))
         else:
             self._begin_local_work(trace)
         try:
@@ -310,9 +317,9 @@ class Orchestrator:
         n = len(handoff.prompt_token_ids)
         self.costs.observe_prompt(trace.prompt_chars, n)
         if idle:
-            self.costs.observe_remote_prefill(
-                prefill.name, n - handoff.cached_tokens, time.perf_counter() - t0
-            )
+            new, seconds = n - handoff.cached_tokens, time.perf_counter() - t0
+            trace.deferred.append(
+                lambda: self.costs.observe_remote_prefill(prefill.name, new, seconds))
         return handoff
 
     def _fallback(self, reason: str) -> None:
@@ -416,6 +423,7 @@ class Orchestrator:
                 stream.close()
                 self._end_decode_work(trace)
                 self._release_output(trace)
+                trace.run_deferred()
         # A whole reply has no first-token time: only its total is recorded.
         self.metrics.stage_seconds.labels("total", trace.route).observe(
             time.perf_counter() - trace.t_start
@@ -427,9 +435,10 @@ class Orchestrator:
             self.costs.end(trace.decode.name, trace.queued_tokens)
             trace.queued_tokens = 0
 
-    def _on_first_byte(self, trace: _Trace) -> None:
-        now = time.perf_counter()
+    def _on_first_byte(self, trace: _Trace, now: float) -> None:
+        """Record what the first bytes measured; runs once the client has them."""
         self._end_decode_work(trace)
+        trace.run_deferred()
         ttft = now - trace.t_start
         self.metrics.stage_seconds.labels("ttft", trace.route).observe(ttft)
         predicted = trace.decision.predicted_s() if trace.route == trace.decision.route else None
@@ -445,19 +454,23 @@ class Orchestrator:
                                              now - trace.t_decode_sent)
 
     async def _relay(self, stream: EngineStream, trace: _Trace) -> AsyncIterator[bytes]:
-        first = True
+        t_first = 0.0
         tail = b""
         decode = trace.decode
         decode.inflight += 1
         try:
             async with asyncio.timeout(self.deadlines.total_s):
                 async for chunk in stream.chunks():
-                    if first:
-                        first = False
-                        self._on_first_byte(trace)
+                    # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the
+                    # client before this generator resumes.
+                    if not t_first:
+                        t_first = time.perf_counter()
+                        yield chunk
+                        self._on_first_byte(trace, t_first)
+                    else:
+                        yield chunk
                     tail = (tail + chunk)[-32:]
                     self._release_output(trace, chunk.count(b"data: "))
-                    yield chunk
             if _DONE not in tail:
                 raise EngineUnreachable("decode stream ended without [DONE]")
         except (EngineUnreachable, EngineTimeout, TimeoutError) as exc:
@@ -481,6 +494,7 @@ class Orchestrator:
             stream.close()
             self._end_decode_work(trace)
             self._release_output(trace)
+            trace.run_deferred()
             self.metrics.stage_seconds.labels("total", trace.route).observe(
                 time.perf_counter() - trace.t_start
             )
