@@ -149,8 +149,10 @@ def run_dev(opts: DevOptions) -> int:
     from proxy.config import ProxyConfig
     from proxy.server import uvicorn_config
 
-    # SIGTERM must unwind like Ctrl-C so the engines are stopped, never orphaned.
+    # SIGTERM (and SIGHUP: the terminal closed) must unwind like Ctrl-C so the engines are
+    # stopped, never orphaned. (uvicorn takes SIGTERM over while it serves, and also unwinds.)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     check_ports_free(
         [
             ("proxy", opts.port),

@@ -20,6 +20,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.admission import Admission
 from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
@@ -31,6 +32,7 @@ from proxy.errors import (
     InvalidRequest,
     NoEngineAvailable,
     ProxyError,
+    RouteNotFound,
     Unauthorized,
     UpstreamError,
     error_json,
@@ -249,8 +251,21 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         finally:
             await state.stop()
 
-    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.pd = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def route_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths (404) and wrong methods (405) answer like every other error."""
+        if exc.status_code not in (404, 405):
+            return _error_response(InvalidRequest(str(exc.detail)))
+        what = "no such route" if exc.status_code == 404 else "method not allowed"
+        response = _error_response(RouteNotFound(
+            f"{what}: {request.method} {request.url.path}", exc.status_code))
+        if exc.headers:  # 405 carries Allow
+            response.headers.update(exc.headers)
+        return response
     served = set(config.served_model_names)
 
     def check_auth(request: Request) -> None:
@@ -313,13 +328,16 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         state.metrics.requests_total.labels(endpoint, result.route, "200").inc()
         return _render(result)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await completion(request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await completion(request, "completions")
+
+    # Plain Starlette routes: the hot paths skip FastAPI's per-request dependency solving
+    # (they take the raw Request and return a Response anyway).
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

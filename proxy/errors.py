@@ -5,9 +5,11 @@
     │   ├── InvalidRequest        400 invalid_request_error
     │   ├── Unauthorized          401 authentication_error
     │   ├── ModelNotFound         404 not_found_error
+    │   ├── RouteNotFound         404 not_found_error / 405 invalid_request_error
     │   ├── RequestTimeout        408 invalid_request_error (body not received in time)
     │   ├── PayloadTooLarge       413 invalid_request_error
-    │   └── UnsupportedMediaType  415 invalid_request_error
+    │   ├── UnsupportedMediaType  415 invalid_request_error
+    │   └── HeadersTooLarge       431 invalid_request_error
     └── ServerError (5xx)
         ├── UpstreamError         502 upstream_error     (an engine failed or answered garbage)
         ├── Overloaded            503 overloaded_error   (admission control; carries Retry-After)
@@ -66,6 +68,22 @@ class PayloadTooLarge(ClientError):
 
 class UnsupportedMediaType(ClientError):
     status = 415
+
+
+class HeadersTooLarge(ClientError):
+    status = 431
+
+
+class RouteNotFound(ClientError):
+    """No such path (404), or the path does not take this method (405)."""
+
+    type = "not_found_error"
+
+    def __init__(self, message: str, status: int = 404):
+        super().__init__(message)
+        self.status = status
+        if status != 404:
+            self.type = "invalid_request_error"
 
 
 class ServerError(ProxyError):

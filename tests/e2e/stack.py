@@ -78,16 +78,17 @@ def start_stack(
 
 
 @contextmanager
-def serving(model: str, **kwargs: Any) -> Iterator[DevStack]:
-    """A package fixture's stack: start it, hand it out, then stop it and check that the dev
-    process ended and no engine process survived its SIGTERM."""
+def serving(model: str, stop_signal: signal.Signals = signal.SIGTERM, **kwargs: Any
+            ) -> Iterator[DevStack]:
+    """A package fixture's stack: start it, hand it out, then stop it with ``stop_signal``
+    and check that the dev process ended and no engine process survived."""
     stack = start_stack(model, **kwargs)
     try:
         yield stack
     finally:
-        alive = stop_stack(stack)
+        alive = stop_stack(stack, stop_signal=stop_signal)
     assert stack.popen.returncode is not None, "pdserve dev did not exit"
-    assert not alive, f"engine processes survived SIGTERM of pdserve dev: {alive}"
+    assert not alive, f"engine processes survived {stop_signal.name} of pdserve dev: {alive}"
 
 
 def mark_e2e(items: Iterable[Any], package: str) -> None:
@@ -99,14 +100,16 @@ def mark_e2e(items: Iterable[Any], package: str) -> None:
             item.add_marker(pytest.mark.e2e)
 
 
-def stop_stack(stack: DevStack, timeout_s: float = 60.0) -> list[int]:
-    """SIGTERM the dev process; return the engine pids still alive afterwards (should be none)."""
+def stop_stack(stack: DevStack, timeout_s: float = 60.0,
+               stop_signal: signal.Signals = signal.SIGTERM) -> list[int]:
+    """Signal the dev process to stop; return the engine pids still alive afterwards (should
+    be none)."""
     try:
         pids = [e["pid"] for e in stack.run_info()["engines"]]
     except (OSError, ValueError):
         pids = []
     if stack.popen.poll() is None:
-        stack.popen.send_signal(signal.SIGTERM)
+        stack.popen.send_signal(stop_signal)
         try:
             stack.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:

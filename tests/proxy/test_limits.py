@@ -299,6 +299,30 @@ async def test_slow_headers_get_408_and_a_closed_connection(prefill, decode) -> 
     assert not prefill.completion_requests and not decode.completion_requests
 
 
+async def test_oversized_headers_get_431_and_a_closed_connection(prefill, decode) -> None:
+    """A request head that keeps growing past the cap (32 KiB) is refused with an OpenAI-style
+    431 before it completes; a large body after a normal head is not a large head."""
+    async with live_proxy(proxy_config(prefill, decode)) as lp:
+        reader, writer = await _open(lp)
+        writer.write(f"POST {CHAT_PATH} HTTP/1.1\r\nhost: x\r\n".encode())
+        # 32 headers of ~1 KiB, never finished: the last one takes the head over 32 KiB.
+        # (Sending on after the refusal would make the closed socket reset the connection.)
+        for i in range(32):
+            writer.write(f"x-pad-{i}: {'a' * 1024}\r\n".encode())
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        answer = await asyncio.wait_for(reader.read(), timeout=5)  # until the proxy closes
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 ")
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and "headers" in error["message"]
+        writer.close()
+        async with httpx.AsyncClient() as c:  # a 60 KiB body in one write is fine
+            r = await c.post(lp.url + CHAT_PATH, json=chat_body(stream=True, pad="y" * 60_000), timeout=30)
+        assert r.status_code == 200
+    assert len(prefill.completion_requests) == 1  # the 60 KiB one; the 431 reached no engine
+
+
 async def test_header_deadline_spares_slow_answers_and_keep_alive(prefill, decode) -> None:
     """The deadline covers only the time to send headers: a request whose answer takes longer,
     and a second request on the same keep-alive connection, are served normally."""

@@ -387,6 +387,19 @@ async def test_edge_errors_never_reach_an_engine(
     assert not prefill.completion_requests and not decode.completion_requests
 
 
+async def test_unknown_route_and_wrong_method_get_openai_errors(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    async with proxy(prefill, decode) as client:
+        resp = await client.post("/v1/embeddings", json={"model": "m", "input": "x"})
+        assert_error(resp, 404, "not_found_error")
+        assert "/v1/embeddings" in resp.json()["error"]["message"]
+        resp = await client.get(CHAT_PATH)
+        assert_error(resp, 405, "invalid_request_error")
+        assert resp.headers["allow"] == "POST"
+    assert not prefill.completion_requests and not decode.completion_requests
+
+
 # --- auth, models, health ---------------------------------------------------------------------
 
 
