@@ -69,8 +69,8 @@ class _WindowFit(Generic[M]):
             return
         self._samples.append((n_tokens, seconds))
         self.last_observed_index += 1
-        ns = np.array([s[0] for s in self._samples], dtype=float)
-        if len(self._samples) >= self._min_samples and len(np.unique(ns)) >= 2:
+        if len(self._samples) >= self._min_samples and len({s[0] for s in self._samples}) >= 2:
+            ns = np.array([s[0] for s in self._samples], dtype=float)
             ys = np.array([s[1] for s in self._samples])
             self._model = self._fit(ns, ys, _recency_weights(len(ys), self._half_life))
 
@@ -129,9 +129,9 @@ class LinkFit(_WindowFit[LinkModel]):
                 changed = True
         super().observe(n_tokens, seconds)
         if changed and self.n_samples < self._min_samples:
-            ns = np.array([x[0] for x in self._samples], dtype=float)
-            ys = np.array([x[1] for x in self._samples])
-            if len(np.unique(ns)) >= 2:  # two sizes at the new speed: both terms are known
+            if len({x[0] for x in self._samples}) >= 2:  # two sizes at the new speed: both
+                ns = np.array([x[0] for x in self._samples], dtype=float)  # terms are known
+                ys = np.array([x[1] for x in self._samples])
                 self._model = self._fit(ns, ys, np.ones_like(ys))
             else:  # one size: keep the fixed cost (at most half of it), rescale bandwidth
                 fixed = min(self._model.fixed_s, 0.5 * seconds)

@@ -94,7 +94,8 @@ def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
         choices = reply.get("choices")
         first = choices[0] if isinstance(choices, list) and choices else None
         ids = first.get(PROMPT_TOKEN_IDS_KEY) if isinstance(first, Mapping) else None
-    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+    # (map + set run in C: this check is on every request's hand-off path)
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int}:
         raise HandoffError(f"prefill reply has no usable {PROMPT_TOKEN_IDS_KEY}")
     block_groups = params["remote_block_ids"]
     if not isinstance(block_groups, list) or not all(isinstance(g, list) for g in block_groups):
