@@ -70,9 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,32", help="comma-separated levels")
     p.add_argument("--fake-requests", default="1000,4000",
                    help="requests per block for the fake setup, per concurrency level")
-    p.add_argument("--real-requests", default="30,128",
+    p.add_argument("--real-requests", default="60,128",
                    help="requests per block for the real setup, per concurrency level")
-    p.add_argument("--repeats", type=int, default=3, help="blocks per arm and level")
+    p.add_argument("--repeats", type=int, default=4, help="blocks per arm and level")
     p.add_argument("--real-prompt-tokens", type=int, default=256)
     p.add_argument("--setups", default="fake,real", help="which setups to run")
     p.add_argument("--port", type=int, default=28000, help="proxy port (both setups)")

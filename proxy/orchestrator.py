@@ -160,6 +160,7 @@ class Orchestrator:
             return await self._serve(req, trace)
         except BaseException:
             self._release_output(trace)
+            trace.run_deferred()  # what the prefill measured holds even if decode failed
             raise
 
     async def _serve(self, req: ApiRequest, trace: _Trace) -> Reply | Stream:
