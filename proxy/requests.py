@@ -7,10 +7,11 @@ validates the rest (e.g. a prompt longer than the context) and its 4xx is passed
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from proxy.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedMediaType
 from transport import kv_params
@@ -58,8 +59,10 @@ def parse_body(raw: bytes, limit_bytes: int) -> dict[str, Any]:
     if len(raw) > limit_bytes:
         raise PayloadTooLarge(f"request body is over the {limit_bytes} byte limit")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        # Strict JSON (RFC 8259): no NaN/Infinity literals, no lone surrogates, UTF-8 only;
+        # so every body passed on can be encoded again as is (engine_client uses msgspec too).
+        body = msgspec.json.decode(raw)
+    except (ValueError, UnicodeDecodeError):  # msgspec.DecodeError is a ValueError
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
