@@ -1,4 +1,5 @@
-"""HTTP client for one vLLM engine's OpenAI server, on one long-lived pooled aiohttp session.
+"""HTTP client for one vLLM engine's OpenAI server, on the proxy's keep-alive pools
+(:mod:`proxy.http1`).
 
 Call order: ``post_json()`` for a whole reply, or ``open_stream()`` then iterate ``chunks()`` and
 ``close()`` exactly once (``close`` is idempotent; the caller owns it, in a ``finally``). Closing a
@@ -13,9 +14,11 @@ import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
+
+from proxy import http1
 
 
 class EngineUnreachable(Exception):
@@ -29,9 +32,9 @@ class EngineUnreachable(Exception):
         self.delivered = delivered
 
 
-def _unreachable(name: str, exc: BaseException) -> EngineUnreachable:
-    return EngineUnreachable(f"{name}: {type(exc).__name__}",
-                             delivered=not isinstance(exc, aiohttp.ClientConnectorError))
+def _unreachable(name: str, exc: http1.HttpError) -> EngineUnreachable:
+    return EngineUnreachable(f"{name}: {exc}",
+                             delivered=not isinstance(exc, http1.ConnectFailed))
 
 
 class EngineTimeout(Exception):
@@ -53,48 +56,52 @@ class EngineReply:
 class EngineStream:
     """An open streaming response; iterate :meth:`chunks`, then :meth:`close` (the abort)."""
 
-    def __init__(self, response: aiohttp.ClientResponse, idle_s: float):
+    def __init__(self, name: str, response: http1.Response, idle_s: float):
+        self._name = name
         self._response = response
         self._idle_s = idle_s
-        self._closed = False
 
     @property
     def status(self) -> int:
         return self._response.status
 
     async def read_all(self) -> bytes:
-        return await self._response.read()
+        try:
+            return await self._response.read()
+        except http1.HttpError as exc:
+            raise _unreachable(self._name, exc) from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield body bytes as they arrive; raise EngineTimeout after ``idle_s`` of silence."""
-        content = self._response.content
+        response = self._response
         while True:
             try:
-                # A timer per read (no task per read, as ``wait_for`` would make); the time
-                # the consumer takes with a chunk is not counted.
+                # A timer per read; the time the consumer takes with a chunk is not counted.
                 async with asyncio.timeout(self._idle_s):
-                    chunk = await content.readany()
+                    chunk = await response.chunk()
             except TimeoutError as exc:
                 raise EngineTimeout("engine stream went silent") from exc
-            except (aiohttp.ClientError, ConnectionError) as exc:
-                raise EngineUnreachable(str(exc) or type(exc).__name__) from exc
+            except http1.HttpError as exc:
+                raise _unreachable(self._name, exc) from exc
             if not chunk:
                 return
             yield chunk
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._response.close()
+        self._response.close()
 
 
 class EngineClient:
     """One engine endpoint (``base_url`` like ``http://127.0.0.1:8100``)."""
 
-    def __init__(self, name: str, base_url: str, session: aiohttp.ClientSession):
+    def __init__(self, name: str, base_url: str, session: http1.Client):
         self.name = name
         self.base_url = base_url.rstrip("/")
-        self._session = session
+        url = urlsplit(self.base_url)
+        if url.scheme != "http" or not url.hostname:
+            raise ValueError(f"engine URL must be http://host:port, got {base_url!r}")
+        self._prefix = url.path
+        self._pool = session.pool(url.hostname, url.port or 80)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name!r}, {self.base_url!r})"
@@ -105,13 +112,15 @@ class EngineClient:
         """POST ``body`` and read the whole reply within ``timeout_s``."""
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(
-                    self.base_url + path, data=_dumps(body), headers=_json_headers(headers)
-                ) as resp:
-                    return EngineReply(resp.status, await resp.read())
+                response = await self._pool.request("POST", self._prefix + path, _dumps(body),
+                                                    headers)
+                try:
+                    return EngineReply(response.status, await response.read())
+                finally:
+                    response.close()
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} did not answer within {timeout_s:g}s") from exc
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
 
     async def open_stream(
@@ -125,23 +134,25 @@ class EngineClient:
         """POST ``body`` and return once response headers arrived (within ``first_byte_s``)."""
         try:
             async with asyncio.timeout(first_byte_s):
-                resp = await self._session.post(
-                    self.base_url + path, data=_dumps(body), headers=_json_headers(headers)
-                )
+                response = await self._pool.request("POST", self._prefix + path, _dumps(body),
+                                                    headers)
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} did not start answering in {first_byte_s:g}s") from exc
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
-        return EngineStream(resp, idle_s)
+        return EngineStream(self.name, response, idle_s)
 
     async def get_text(self, path: str, timeout_s: float) -> tuple[int, str]:
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.get(self.base_url + path) as resp:
-                    return resp.status, await resp.text()
+                response = await self._pool.request("GET", self._prefix + path)
+                try:
+                    return response.status, (await response.read()).decode(errors="replace")
+                finally:
+                    response.close()
         except TimeoutError as exc:
             raise EngineTimeout(f"{self.name} {path} timed out") from exc
-        except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
 
 
@@ -152,13 +163,6 @@ _decode = msgspec.json.Decoder().decode
 _dumps: Callable[[Any], bytes] = msgspec.json.Encoder().encode
 
 
-def _json_headers(extra: Mapping[str, str]) -> dict[str, str]:
-    return {"content-type": "application/json", **extra}
-
-
-def new_session() -> aiohttp.ClientSession:
-    """The one pooled session a proxy process uses for all engines (keep-alive, no global cap)."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-    # Engines set no cookies: a dummy jar skips a cookie lookup on every request.
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                 cookie_jar=aiohttp.DummyCookieJar())
+def new_session() -> http1.Client:
+    """The one set of keep-alive pools a proxy process uses for all engines."""
+    return http1.Client()

@@ -1,0 +1,183 @@
+"""proxy.http1 against a scripted raw server: keep-alive reuse, chunked bodies as they arrive,
+closing early as the abort, the two failure kinds, idle expiry, header safety."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from proxy import http1
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    """Serves each connection with ``handler``; counts connections and disconnects."""
+
+    def __init__(self, handler: Handler):
+        self.handler = handler
+        self.connections = 0
+        self.disconnects = asyncio.Event()
+        self.server: asyncio.AbstractServer | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.disconnects.set()
+            writer.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[RawServer]]]:
+    servers: list[RawServer] = []
+
+    async def start(handler: Handler) -> RawServer:
+        s = RawServer(handler)
+        s.server = await asyncio.start_server(s._serve, "127.0.0.1", 0)
+        servers.append(s)
+        return s
+
+    yield start
+    for s in servers:
+        assert s.server is not None
+        s.server.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
+async def echo_forever(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        _, body = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+
+async def test_sequential_requests_reuse_one_connection(serve) -> None:
+    server = await serve(echo_forever)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    for i in range(5):
+        response = await pool.request("POST", "/x", b'{"i":%d}' % i)
+        try:
+            assert response.status == 200
+            assert await response.read() == b'{"i":%d}' % i
+        finally:
+            response.close()
+    assert server.connections == 1
+
+
+async def test_a_chunked_body_arrives_piece_by_piece(serve) -> None:
+    release = asyncio.Event()
+
+    async def sse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:1\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.write(b"6\r\ndata:2\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(sse)
+    response = await http1.Client().pool("127.0.0.1", server.port).request("POST", "/s", b"{}")
+    try:
+        assert await asyncio.wait_for(response.chunk(), 5) == b"data:1"  # before the rest exists
+        release.set()
+        assert await asyncio.wait_for(response.chunk(), 5) == b"data:2"
+        assert await response.chunk() == b""
+    finally:
+        response.close()
+
+
+async def test_closing_a_response_early_drops_the_connection(serve) -> None:
+    """That is how a vLLM server learns to abort the request."""
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"6\r\ndata:x\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    server = await serve(endless)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    response = await pool.request("POST", "/s", b"{}")
+    assert await response.chunk()
+    response.close()
+    await asyncio.wait_for(server.disconnects.wait(), 5)
+
+
+async def test_refused_and_lost_connections_are_told_apart(serve) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)  # got the request, then dies without answering
+
+    server = await serve(hang_up)
+    with pytest.raises(http1.ConnectionLost):
+        await http1.Client().pool("127.0.0.1", server.port).request("POST", "/x", b"{}")
+    port = server.port
+    assert server.server is not None
+    server.server.close()
+    await server.server.wait_closed()
+    with pytest.raises(http1.ConnectFailed):
+        await http1.Client().pool("127.0.0.1", port).request("POST", "/x", b"{}")
+
+
+async def test_garbage_instead_of_http_is_a_lost_connection(serve) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(garbage)
+    with pytest.raises(http1.ConnectionLost):
+        await http1.Client().pool("127.0.0.1", server.port).request("POST", "/x", b"{}")
+
+
+async def test_a_cancelled_request_aborts_its_connection(serve) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    server = await serve(silent)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await pool.request("POST", "/x", b"{}")
+    await asyncio.wait_for(server.disconnects.wait(), 5)
+
+
+async def test_stale_idle_connections_are_not_reused(serve, monkeypatch) -> None:
+    server = await serve(echo_forever)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    for _ in range(2):
+        response = await pool.request("POST", "/x", b"{}")
+        await response.read()
+        response.close()
+        monkeypatch.setattr(http1, "MAX_IDLE_S", 0.0)  # the next pick finds it too old
+    assert server.connections == 2
+
+
+async def test_header_values_cannot_smuggle_lines(serve) -> None:
+    server = await serve(echo_forever)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    with pytest.raises(ValueError):
+        await pool.request("POST", "/x", b"{}", {"x-request-id": "a\r\nx-evil: 1"})
+    assert server.connections == 0
