@@ -100,11 +100,14 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         # Its own process group (one killpg stops the API server and its engine core and
-        # workers; a terminal's Ctrl-C reaches only pdserve), but not its own session: Linux
-        # shares CPU between sessions ("autogroups") before tasks, so an engine in a session of
-        # its own, whose workers spin between steps, held the proxy off a shared core for a
-        # whole time slice at each of its wake-ups (measured: +2-4 ms per request at c=1).
-        process_group=0,
+        # workers; a terminal's Ctrl-C reaches only pdserve). In dev mode not its own session:
+        # Linux shares CPU between sessions ("autogroups") before tasks, so an engine in a
+        # session of its own, whose workers spin between steps, held the proxy off a shared
+        # core for a whole time slice at each of its wake-ups (measured: +2-4 ms per request
+        # at c=1). A Ray actor's engine (die_with_parent) keeps a session of its own, as Ray's
+        # own teardown was tested with.
+        start_new_session=die_with_parent,
+        process_group=None if die_with_parent else 0,
         preexec_fn=_die_with_parent if die_with_parent else None,
     )
     log_file.close()

@@ -108,6 +108,10 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
         results.append(httpx.post(ray_stack.proxy_url + "/v1/chat/completions", json=b,
                                   timeout=60).status_code)
 
+    # Found before the stream starts: the freeze must land while the answer is being written
+    # (the proxy relays as fast as the engine writes, into socket buffers the client need not
+    # drain, so a late freeze finds the whole answer relayed and nothing owed).
+    groups = {n: os.getpgid(listener_pid(u)) for n, u in urls.items()}
     with httpx.Client(timeout=120) as c, c.stream(
             "POST", ray_stack.proxy_url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -115,7 +119,7 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
         frames = [next(lines) for _ in range(2)]  # it is decoding now
         busy = next(n for n, e in decodes(ray_stack).items() if e["inflight"])
         other = next(n for n in urls if n != busy)
-        group = os.getpgid(listener_pid(urls[busy]))
+        group = groups[busy]
         os.killpg(group, signal.SIGSTOP)
         try:
             view = httpx.get(ray_stack.proxy_url + "/pd/costs", timeout=10).json()
