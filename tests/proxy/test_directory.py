@@ -288,9 +288,13 @@ async def test_a_decode_that_may_have_read_the_kv_is_retried_without_the_handoff
             pool = proxy.state.pool
             await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
                              "decode-1 healthy")
-            # decode-0 joins as healthy (its probe is faked: the dropper answers nothing).
+            # decode-0 joins; its join probe fails (the dropper answers nothing). Only once that
+            # probe is over is it made healthy by hand: a probe ending later would take it out
+            # again, and the request would go straight to decode-1.
             directory.infos.append(EndpointInfo("decode-0", "decode", url))
-            await wait_until(lambda: pool.get("decode-0") is not None, "decode-0 listed")
+            await wait_until(lambda: pool.get("decode-0") is not None
+                             and pool.get("decode-0").consecutive_failures >= 1,
+                             "decode-0 listed and probed")
             dropping = pool.get("decode-0")
             for stream in (False, True):
                 dropping.healthy = True

@@ -94,7 +94,7 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
     a 3800-token answer, four concurrent short requests all go to the other one (by request
     count, the second of them would go to the busy engine).
 
-    The tiny model writes 3800 tokens in about a second, so the busy engine is frozen
+    The tiny model writes 3800 tokens in seconds, so the busy engine is frozen
     (SIGSTOP) while the short ones are routed: the long answer stays owed, and its engine stays
     healthy in the proxy's view (so health is not what steers them)."""
     urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
@@ -108,20 +108,22 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
         results.append(httpx.post(ray_stack.proxy_url + "/v1/chat/completions", json=b,
                                   timeout=60).status_code)
 
-    # Found before the stream starts: the freeze must land while the answer is being written
-    # (the proxy relays as fast as the engine writes, into socket buffers the client need not
-    # drain, so a late freeze finds the whole answer relayed and nothing owed).
+    # The freeze must land while the answer is being written: the proxy relays as fast as the
+    # engine writes, into socket buffers the client need not drain, so a late freeze finds
+    # the whole answer relayed and nothing owed. So both decode engines are frozen at the first
+    # frame, and the one without the answer is thawed once the proxy says which that is.
     groups = {n: os.getpgid(listener_pid(u)) for n, u in urls.items()}
     with httpx.Client(timeout=120) as c, c.stream(
             "POST", ray_stack.proxy_url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        frames = [next(lines) for _ in range(2)]  # it is decoding now
-        busy = next(n for n, e in decodes(ray_stack).items() if e["inflight"])
-        other = next(n for n in urls if n != busy)
-        group = groups[busy]
-        os.killpg(group, signal.SIGSTOP)
+        frames = [next(lines)]  # it is decoding now
+        for g in groups.values():
+            os.killpg(g, signal.SIGSTOP)
         try:
+            busy = next(n for n, e in decodes(ray_stack).items() if e["inflight"])
+            other = next(n for n in urls if n != busy)
+            os.killpg(groups[other], signal.SIGCONT)
             view = httpx.get(ray_stack.proxy_url + "/pd/costs", timeout=10).json()
             owed = view["output_tokens"][busy]
             assert owed > 1000, view["output_tokens"]
@@ -134,7 +136,8 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
             served = success_count(urls[other]) - before[other]
             still_healthy = decodes(ray_stack)[busy]["healthy"]
         finally:
-            os.killpg(group, signal.SIGCONT)
+            for g in groups.values():
+                os.killpg(g, signal.SIGCONT)
         frames += [ln for ln in lines if ln]
     print(f"long answer on {busy} (owed {owed} tokens); short ones on {other}: {served}")
     assert results == [200] * 4, results
