@@ -30,6 +30,7 @@ from proxy.directory import Directory, Scaler
 from proxy.engine_client import EngineClient, new_session
 from proxy.errors import (
     InvalidRequest,
+    MethodNotAllowed,
     NoEngineAvailable,
     ProxyError,
     RouteNotFound,
@@ -279,14 +280,13 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def route_error(request: Request, exc: StarletteHTTPException) -> Response:
-        """Unknown paths (404) and wrong methods (405) answer like every other error."""
-        if exc.status_code not in (404, 405):
-            return _error_response(InvalidRequest(str(exc.detail)))
-        what = "no such route" if exc.status_code == 404 else "method not allowed"
-        response = _error_response(RouteNotFound(
-            f"{what}: {request.method} {request.url.path}", exc.status_code))
-        if exc.headers:  # 405 carries Allow
-            response.headers.update(exc.headers)
+        """Routing's only errors, unknown paths (404) and wrong methods (405, with Allow),
+        answer like every other error."""
+        where = f"{request.method} {request.url.path}"
+        err = (MethodNotAllowed(f"method not allowed: {where}") if exc.status_code == 405
+               else RouteNotFound(f"no such route: {where}"))
+        response = _error_response(err)
+        response.headers.update(exc.headers or {})
         return response
     served = set(config.served_model_names)
 

@@ -5,7 +5,8 @@
     │   ├── InvalidRequest        400 invalid_request_error
     │   ├── Unauthorized          401 authentication_error
     │   ├── ModelNotFound         404 not_found_error
-    │   ├── RouteNotFound         404 not_found_error / 405 invalid_request_error
+    │   ├── RouteNotFound         404 not_found_error
+    │   ├── MethodNotAllowed      405 invalid_request_error
     │   ├── RequestTimeout        408 invalid_request_error (body not received in time)
     │   ├── PayloadTooLarge       413 invalid_request_error
     │   ├── UnsupportedMediaType  415 invalid_request_error
@@ -75,15 +76,12 @@ class HeadersTooLarge(ClientError):
 
 
 class RouteNotFound(ClientError):
-    """No such path (404), or the path does not take this method (405)."""
-
+    status = 404
     type = "not_found_error"
 
-    def __init__(self, message: str, status: int = 404):
-        super().__init__(message)
-        self.status = status
-        if status != 404:
-            self.type = "invalid_request_error"
+
+class MethodNotAllowed(ClientError):
+    status = 405
 
 
 class ServerError(ProxyError):
