@@ -11,6 +11,19 @@ Contract
 and shapes both directions of the veth with ``tc`` (egress of ``<name>-h`` = traffic into the
 netns, egress of ``<name>-n`` = traffic out of it), so a KV transfer between the two sides crosses a
 link of known bandwidth (and optionally one-way delay) that can be *measured*, not just assumed.
+
+Shaping is changed in place, never removed. ``create`` puts a tbf at the root of both ends while
+nothing uses the link yet; every later ``set_rate`` only changes that tbf's parameters, and
+"unthrottled" is the same tbf at ``OPEN_RATE_MBIT`` (1 Tbit/s: a veth here carries 28-30 Gbit/s
+with no qdisc at all and 30-70 Gbit/s through this one, measured). Why: deleting or replacing a
+root qdisc *grafts* a new one, and the kernel then deactivates the device and waits for an RCU
+grace period (``dev_deactivate_many`` -> ``synchronize_rcu_expedited``) while holding RTNL, the
+lock every ``ip``/``tc`` command needs. With engines moving KV across the link that wait took
+~30.8 s in 4-6 of every 20-25 deletions here (0 of 20 with the engines paused, 0 of 12 under plain
+TCP bulk traffic), and dmesg reported a stuck per-CPU workqueue at the same moments; 100 in-place
+changes under the same traffic took milliseconds each. A grafted qdisc is also what a
+``tc qdisc del`` that timed out left behind: the kernel finished the deletion after the timeout,
+and the old code then re-applied the previous rate, so the link stayed throttled for the next test.
 The netns has no default route: processes inside can reach only ``host_addr`` (and their own
 loopback), so nothing started through ``wrap`` can send traffic anywhere else.
 
@@ -46,7 +59,10 @@ was written on has only tbf/htb/ingress) make ``set_rate`` raise TestbedError fo
 leave the previous shaping in place; bandwidth shaping (tbf) works everywhere.
 
 Every command runs with a timeout; a failing one raises ``TestbedError`` naming the command and
-its stderr.
+its stderr. A command that times out may still be inside the kernel (uninterruptible): it is
+killed and waited for a bounded while more, and whatever it did or did not do is found out by
+reading the state back, never assumed. ``set_rate`` reads both ends back after every change and
+raises unless they show what was asked; ``spec`` is always what ``tc`` last showed.
 """
 
 from __future__ import annotations
@@ -68,6 +84,13 @@ from dataclasses import dataclass
 __all__ = ["LinkSpec", "TestbedError", "ThrottledLink", "available", "measure_mbit"]
 
 CMD_TIMEOUT_S = 15.0
+#: How long a command killed at its timeout may take to leave the kernel before we give up on
+#: it (an RTNL wait measured here lasted ~31 s).
+KILLED_EXIT_S = 45.0
+#: The rate of an "unthrottled" link: its tbf stays, far above what a veth carries (module doc).
+OPEN_RATE_MBIT = 1_000_000.0
+#: The handle of the root qdisc on both ends: changed in place, never replaced.
+ROOT_HANDLE = "1:"
 
 # tc messages that mean "there was no root qdisc to delete": fine when removing shaping.
 _NO_QDISC_MARKERS = (
@@ -122,17 +145,23 @@ def _run(
     """Run a command; raise TestbedError on failure unless stderr contains one of ``ok_if``."""
     cmd = " ".join(argv)
     try:
-        proc = subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as e:
-        raise TestbedError(f"`{cmd}` timed out after {timeout_s:.0f}s") from e
+        child = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, text=True)
     except OSError as e:
         raise TestbedError(f"`{cmd}` could not run: {e}") from e
+    try:
+        out, err = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        wchan = _wchan(child.pid)
+        child.kill()  # delivered when it leaves the kernel (an RTNL wait is uninterruptible)
+        try:
+            child.communicate(timeout=KILLED_EXIT_S)
+            fate = "killed"
+        except subprocess.TimeoutExpired:
+            fate = f"still in the kernel {KILLED_EXIT_S:.0f}s after being killed"
+        raise TestbedError(f"`{cmd}` timed out after {timeout_s:.0f}s (waiting in {wchan}); "
+                           f"{fate}: what it changed is unknown until read back") from None
+    proc = subprocess.CompletedProcess(list(argv), child.returncode, out, err)
     if proc.returncode != 0:
         err = (proc.stderr or proc.stdout or "").strip()
         if any(m in err for m in ok_if):
@@ -141,6 +170,15 @@ def _run(
             f"`{cmd}` failed with exit code {proc.returncode}: {err or '(no stderr)'}"
         )
     return proc
+
+
+def _wchan(pid: int) -> str:
+    """Where in the kernel ``pid`` waits (e.g. ``synchronize_rcu_expedited``), for errors."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip() or "?"
+    except OSError:
+        return "?"
 
 
 def available() -> bool:
@@ -177,11 +215,31 @@ def _tbf_params(rate_mbit: float) -> tuple[int, int]:
     were no drops at 1-1000 Mbit/s. One bulk TCP stream (BBR here) then kept 30-200 KiB queued:
     ~0.8 s of queueing delay at 1 Mbit/s, ~0.1 s at 10 Mbit/s, a few ms at 100 Mbit/s -- a
     bloated but honest link; small messages sharing it with a bulk transfer wait behind it.
+    Both are capped for the open shaper (1 Tbit/s): tbf takes 32-bit byte counts, and at that
+    rate nothing queues.
     """
     rate_bps = rate_mbit * 1e6 / 8
-    burst = max(3 * 1514, int(rate_bps * 0.004))
-    limit = max(1 << 20, int(rate_bps * 0.05))
+    burst = min(1 << 30, max(3 * 1514, int(rate_bps * 0.004)))
+    limit = min(64 << 20, max(1 << 20, int(rate_bps * 0.05)))
     return burst, limit
+
+
+def _tbf_args(rate_mbit: float) -> list[str]:
+    burst, limit = _tbf_params(rate_mbit)
+    return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit)]
+
+
+def _same(a: LinkSpec, b: LinkSpec) -> bool:
+    """Equal up to tc's rounding of what it prints (``33300Kbit``, ``415ms``)."""
+    def close(x: float | None, y: float | None) -> bool:
+        return x == y or (x is not None and y is not None and abs(x - y) <= 0.005 * max(x, y))
+    return close(a.rate_mbit, b.rate_mbit) and close(a.delay_ms, b.delay_ms)
+
+
+def _root_kind(qdisc_show: str) -> str | None:
+    """The kind of the root qdisc in ``tc qdisc show dev X root`` output (``tbf``, ``netem``)."""
+    words = qdisc_show.split()
+    return words[1] if len(words) > 1 and words[0] == "qdisc" else None
 
 
 _UNIT = {"bit": 1e-6, "kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6}
@@ -197,6 +255,8 @@ def _parse_spec(qdisc_line: str) -> LinkSpec:
         delay_ms = float(delay.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[delay.group(2)]
     if rate_mbit is not None and "tbf" not in qdisc_line and "netem" not in qdisc_line:
         rate_mbit = None
+    if rate_mbit is not None and rate_mbit >= OPEN_RATE_MBIT:
+        rate_mbit = None  # the open shaper: unthrottled
     return LinkSpec(rate_mbit, delay_ms)
 
 
@@ -276,6 +336,10 @@ class ThrottledLink:
             _run(["ip", "link", "set", h, "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.ns_addr}/24", "dev", n])
             _run(["ip", "-n", ns, "link", "set", n, "up"])
+            # The root shaper goes in now, while no traffic can make the graft wait (module doc).
+            for side, dev in (("h", h), ("n", n)):
+                _run([*self._tc(side), "qdisc", "add", "dev", dev, "root", "handle", ROOT_HANDLE,
+                      *_tbf_args(OPEN_RATE_MBIT)])
         except BaseException:
             self._cleanup()
             raise
@@ -380,42 +444,53 @@ class ThrottledLink:
     def set_rate(self, spec: LinkSpec) -> None:
         """Apply, change or remove shaping on both directions (no recreation, no reconnects).
 
-        ``delay_ms > 0`` needs the kernel's netem qdisc; without it (as on the Firecracker kernels
-        this project is tested on: no CONFIG_NET_SCH_NETEM) this raises TestbedError and the
-        previous shaping stays in place.
+        A rate change (``LinkSpec(None)`` included) only changes the root tbf's parameters; the
+        result is read back from both ends and must show ``spec``, else TestbedError, with
+        ``spec`` left as what ``tc`` shows. Nothing is ever "restored" on failure: that is how
+        a link once stayed throttled after a timed-out removal (module doc).
+
+        ``delay_ms > 0`` needs the kernel's netem qdisc, which replaces the tbf (a graft, which
+        may wait on RTNL while traffic flows); kernels without netem (the Firecracker kernels this
+        project is tested on: no CONFIG_NET_SCH_NETEM) raise TestbedError and keep the shaping
+        as it was, since the kernel refuses the qdisc before touching the device.
         """
         if not self._created:
             raise TestbedError(f"set_rate({spec}) on {self._name!r} before create()")
         try:
             self._apply(spec)
         except TestbedError as e:
-            if self._spec != spec:
-                try:
-                    self._apply(self._spec)  # leave both directions as they were
-                except TestbedError:
-                    pass
+            self._spec = self.read_spec()
             if spec.delay_ms > 0 and "qdisc kind is unknown" in str(e):
                 raise TestbedError(
                     f"{e} -- this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM), so "
                     f"delay_ms={spec.delay_ms:g} cannot be emulated; only rate shaping (tbf) works"
                 ) from e
-            raise
-        self._spec = spec
+            raise TestbedError(f"{e}; the link now reads {self._spec}") from e
+        shown = self.read_spec()
+        self._spec = shown if not _same(shown, spec) else spec
+        if not _same(shown, spec):
+            raise TestbedError(f"set_rate({spec}) on {self._name!r}: tc shows {shown}")
+
+    def read_spec(self) -> LinkSpec:
+        """The shaping ``tc`` shows now on both ends (raises if the two ends disagree)."""
+        specs = {_parse_spec(_run([*self._tc(side), "qdisc", "show", "dev", dev, "root"]).stdout)
+                 for side, dev in (("h", self.host_device), ("n", self.ns_device))}
+        if len(specs) != 1:
+            raise TestbedError(f"the two ends of {self._name!r} are shaped differently: {specs}")
+        return specs.pop()
 
     def _apply(self, spec: LinkSpec) -> None:
         for side, dev in (("h", self.host_device), ("n", self.ns_device)):
             tc = self._tc(side)
-            if spec.unthrottled:
-                _run([*tc, "qdisc", "del", "dev", dev, "root"], ok_if=_NO_QDISC_MARKERS)
-            elif spec.delay_ms > 0:
+            if spec.delay_ms > 0:
                 _run([*tc, "qdisc", "replace", "dev", dev, "root", *self._netem_args(spec)])
-            else:
-                assert spec.rate_mbit is not None
-                burst, limit = _tbf_params(spec.rate_mbit)
-                _run([
-                    *tc, "qdisc", "replace", "dev", dev, "root", "tbf",
-                    "rate", f"{spec.rate_mbit:g}mbit", "burst", str(burst), "limit", str(limit),
-                ])
+                continue
+            tbf = ["dev", dev, "root", "handle", ROOT_HANDLE, *_tbf_args(
+                spec.rate_mbit if spec.rate_mbit is not None else OPEN_RATE_MBIT)]
+            if _root_kind(_run([*tc, "qdisc", "show", "dev", dev, "root"]).stdout) == "tbf":
+                _run([*tc, "qdisc", "change", *tbf])
+            else:  # netem before, or a link made without the root tbf: one graft, then in place
+                _run([*tc, "qdisc", "replace", *tbf])
 
     @staticmethod
     def _netem_args(spec: LinkSpec) -> list[str]:

@@ -9,12 +9,12 @@ against both routes measured on the real engines.
 from __future__ import annotations
 
 import json
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from launch.testbed import LinkSpec, ThrottledLink
+from launch.testbed import UNTHROTTLED, LinkSpec, ThrottledLink
 from tests.e2e.prompts import text_of_tokens
 from tests.e2e.routes import (
     cache_on_prefill,
@@ -41,7 +41,25 @@ FLOOD_TOKENS = 2000
 
 @pytest.fixture
 def link_stack(smollm2_stack):
-    return smollm2_stack
+    """The shared SmolLM2 stack behind the testbed link, checked before a test relies on it
+    (link unthrottled, engines healthy and idle) and restored after it, whatever happened: the
+    link unthrottled again (read back from tc) and no request of the test left on an engine."""
+    link = ThrottledLink.attach()
+    assert link.read_spec() == UNTHROTTLED, f"an earlier test left the link shaped: {link}"
+    for url in (smollm2_stack.proxy_url, smollm2_stack.prefill_url, smollm2_stack.decode_url):
+        assert httpx.get(url + "/health", timeout=10).status_code == 200, f"{url} is not healthy"
+    wait_idle(smollm2_stack)
+    try:
+        yield smollm2_stack
+    finally:
+        link.set_rate(UNTHROTTLED)  # raises unless both ends read back unthrottled
+        wait_idle(smollm2_stack)
+
+
+def wait_idle(stack) -> None:
+    """Until the proxy's last look at both engines finds nothing running or waiting."""
+    wait_for(lambda: all(e["engine_requests"] == 0 for e in costs(stack)["engines"].values()),
+             "both engines to be idle", timeout_s=300)
 
 
 def test_slow_link_recomputes(link_stack):
@@ -59,7 +77,7 @@ def test_slow_link_recomputes(link_stack):
         assert slow["local"] < slow["disaggregated"], slow
         assert slow["estimate"] and "local=" in slow["estimate"]  # the prediction travelled
     finally:
-        link.set_rate(LinkSpec(None))
+        link.set_rate(UNTHROTTLED)
 
 
 def test_fast_link_moves_kv(link_stack):
@@ -93,30 +111,37 @@ def test_busy_prefill_sends_request_local(link_stack):
     cache_on_prefill(link_stack, doc, DOC_TOKENS)
     reset_decode_cache(link_stack, body)
 
-    def flood(seed: int) -> list[threading.Thread]:
+    def flood(pool: ThreadPoolExecutor, seed: int) -> list[Future]:
+        """Another client's queue on the prefill engine; fails at once, saying why, if the
+        engine refuses it (the proxy would then never see a queue)."""
         def one(i: int) -> None:
-            httpx.post(link_stack.prefill_url + "/v1/completions", timeout=300, json={
+            r = httpx.post(link_stack.prefill_url + "/v1/completions", timeout=300, json={
                 "model": link_stack.model_name,
                 "prompt": text_of_tokens(FLOOD_TOKENS, seed=seed + i, model=MODEL),
                 "max_tokens": 1})
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(FLOOD_PROMPTS)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: costs(link_stack)["engines"]["prefill-0"]["engine_requests"] >= 3,
-                 "the proxy to see the prefill queue", timeout_s=30)
-        return threads
+            assert r.status_code == 200, r.text
+        futures = [pool.submit(one, i) for i in range(FLOOD_PROMPTS)]
 
-    threads = flood(1000)
-    with httpx.Client(timeout=300) as c:
-        ttft, headers = ttft_stream(c, link_stack.proxy_url + "/v1/completions", body)
-    for t in threads:
-        t.join()
-    assert headers["x-pd-route"] == "local", dict(headers)
+        def queued() -> bool:
+            if failed := [f.exception() for f in futures if f.done() and f.exception()]:
+                raise AssertionError(f"flood requests to {link_stack.prefill_url} failed: "
+                                     f"{failed!r}")
+            return costs(link_stack)["engines"]["prefill-0"]["engine_requests"] >= 3
+        wait_for(queued, "the proxy to see the prefill queue", timeout_s=30)
+        return futures
 
-    # The same request through the same kind of queue, disaggregated.
-    threads = flood(2000)
-    through_queue = measure_disaggregated(link_stack, body)
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(FLOOD_PROMPTS) as pool:
+        futures = flood(pool, 1000)
+        with httpx.Client(timeout=300) as c:
+            ttft, headers = ttft_stream(c, link_stack.proxy_url + "/v1/completions", body)
+        for f in futures:
+            f.result()
+        assert headers["x-pd-route"] == "local", dict(headers)
+
+        # The same request through the same kind of queue, disaggregated.
+        futures = flood(pool, 2000)
+        through_queue = measure_disaggregated(link_stack, body)
+        for f in futures:
+            f.result()
     print(f"local under prefill load: {ttft:.3f}s, through the queue: {through_queue:.3f}s")
     assert ttft < through_queue

@@ -215,23 +215,33 @@ def test_one_mbit_measurement_is_short(link: ThrottledLink, unthrottled_after) -
 
 def test_unthrottled_is_much_faster(link: ThrottledLink) -> None:
     link.set_rate(LinkSpec(None))
-    q = link.qdiscs()
-    assert "tbf" not in q[link.host_device] and "tbf" not in q[link.ns_device]
+    assert link.read_spec() == LinkSpec(None)
+    q = link.qdiscs()  # the open shaper: the same root tbf, at 1 Tbit/s
+    assert "rate 1Tbit" in q[link.host_device] and "rate 1Tbit" in q[link.ns_device]
     got = _best_of_2(link)
     print(f"unthrottled: {got:.0f} mbit")
     assert got > 300  # "substantially higher than 100 mbit"; ~10-25 Gbit/s measured here
 
 
+def _root_handles(link: ThrottledLink) -> list[str]:
+    return [q.split()[2] for q in link.qdiscs().values()]
+
+
 def test_change_rate_without_recreating(link: ThrottledLink, unthrottled_after) -> None:
     before = (_ifindex(link.host_device), _ifindex(link.ns_device, NAME))
+    # Every change, removal included, is made in place on the same root qdisc: a new handle
+    # would mean a graft, which can hold RTNL for ~30 s while KV crosses the link.
+    assert _root_handles(link) == ["1:", "1:"]
     link.set_rate(LinkSpec(10))
     slow = measure_mbit(link)
     link.set_rate(LinkSpec(100))
     fast = _best_of_2(link)
     link.set_rate(LinkSpec(None))
     link.set_rate(LinkSpec(None))  # removing twice is fine
+    assert _root_handles(link) == ["1:", "1:"]
     link.set_rate(LinkSpec(20))
     mid = measure_mbit(link)
+    assert _root_handles(link) == ["1:", "1:"]
     assert (_ifindex(link.host_device), _ifindex(link.ns_device, NAME)) == before
     assert abs(slow - 10) < 2.5 and abs(fast - 100) < 25 and abs(mid - 20) < 5
     assert link.spec == LinkSpec(20)
@@ -266,6 +276,40 @@ def test_delay_works_or_fails_cleanly(link: ThrottledLink, unthrottled_after) ->
         listener.wait(5)
 
 
+def test_a_timed_out_command_is_killed_and_named() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TestbedError, match=r"`sleep 30` timed out after 0s .*killed"):
+        _run(["sleep", "30"], timeout_s=0.3)
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_failed_removal_is_not_undone(link: ThrottledLink, unthrottled_after,
+                                        monkeypatch) -> None:
+    """A change that fails (here: the second end's command times out) leaves the link as tc
+    shows it; the old rate is never re-applied (that is how a timed-out removal once left the
+    link throttled for the next test)."""
+    import launch.testbed as testbed
+
+    link.set_rate(LinkSpec(20))
+    real, ran = testbed._run, []
+
+    def flaky(argv, *args, **kwargs):
+        ran.append(" ".join(argv))
+        if "change" in argv and link.ns_device in argv:
+            raise TestbedError(f"`{' '.join(argv)}` timed out after 15s")
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(testbed, "_run", flaky)
+    with pytest.raises(TestbedError, match="shaped differently|now reads"):
+        link.set_rate(LinkSpec(None))
+    monkeypatch.setattr(testbed, "_run", real)
+    assert not [c for c in ran if "rate 20mbit" in c], ran  # nothing re-applied the old rate
+    shown = link.qdiscs()
+    assert "rate 1Tbit" in shown[link.host_device] and "rate 20Mbit" in shown[link.ns_device]
+    link.set_rate(LinkSpec(None))  # and the next attempt completes it
+    assert link.read_spec() == LinkSpec(None)
+
+
 def test_errors_name_command_and_stderr() -> None:
     with pytest.raises(TestbedError) as e:
         _run(["ip", "link", "show", "dev", "pdtb-nosuchdev"])
@@ -288,7 +332,7 @@ def test_attach_to_existing_link(link: ThrottledLink, unthrottled_after) -> None
     assert handle.created and handle.spec == LinkSpec(30)
     assert (handle.host_addr, handle.ns_addr) == (link.host_addr, link.ns_addr)
     handle.set_rate(LinkSpec(None))
-    assert "tbf" not in link.qdiscs()[link.host_device]
+    assert link.read_spec() == LinkSpec(None)
     assert ThrottledLink.attach(NAME, OCTET).spec == LinkSpec(None)
     with pytest.raises(TestbedError, match="no netns"):
         ThrottledLink.attach("pdtbnothere", OCTET)
@@ -307,9 +351,7 @@ def test_destroy_and_recreate(link: ThrottledLink) -> None:
     crashed = ThrottledLink(NAME, OCTET).create()
     crashed.set_rate(LinkSpec(5))
     with ThrottledLink(NAME, OCTET) as fresh:
-        assert fresh.spec == LinkSpec(None)
-        q = fresh.qdiscs()
-        assert "tbf" not in q[fresh.host_device] and "tbf" not in q[fresh.ns_device]
+        assert fresh.spec == LinkSpec(None) == fresh.read_spec()
         assert measure_mbit(fresh, nbytes=8 << 20) > 50  # the crashed run's 5 mbit is gone
     _assert_gone(NAME)
 
