@@ -202,6 +202,7 @@ def run_dev(opts: DevOptions) -> int:
             prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),
             decode_kv_events=(decode_spec.kv_events_endpoint or "",),
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
+            max_model_len=opts.max_model_len,
         )
         url = f"http://{opts.host}:{opts.port}"
         auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.api_key else ""

@@ -254,6 +254,7 @@ def run_ray(opts: RayOptions) -> int:
             max_inflight=opts.max_inflight,
             max_queued=opts.max_queued,
             tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,
+            max_model_len=opts.template.max_model_len,
         )
         url = f"http://{opts.host}:{opts.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "

@@ -20,6 +20,14 @@ class ProxyConfig(BaseModel):
     #: A local model/tokenizer directory: lets the proxy size prompts exactly and look them up
     #: in the engines' prefix indexes before routing.
     tokenizer: str | None = None
+    #: Worker processes that tokenize prompts (off the event loop; ``proxy/tokenizer_pool.py``).
+    tokenizer_workers: int = Field(default=2, ge=1, le=64)
+    #: Prompts of at most this many characters are tokenized on the event loop (the hop to a
+    #: worker costs more than they do).
+    tokenizer_inline_chars: int = Field(default=1000, ge=0)
+    #: The engines' context length: a prompt surely longer is refused (400) without being
+    #: tokenized. None: every prompt goes to the engines' own check.
+    max_model_len: int | None = Field(default=None, gt=0)
     policy: str = "auto"
     #: KV bytes one prompt token moves over the link (``transport.kv_size``); needed by ``auto``.
     kv_bytes_per_token: int | None = Field(default=None, gt=0)
@@ -42,6 +50,9 @@ class ProxyConfig(BaseModel):
     max_queued: int = Field(default=256, ge=0)
     queue_timeout_s: float = Field(default=10.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    #: Wake a probe this often to measure event-loop lag (``pd_event_loop_lag_seconds``);
+    #: stalls shorter than the interval are seen only now and then. 0 = off.
+    loop_lag_probe_s: float = Field(default=0.1, ge=0)
     #: Run one P/D request per prefill x decode pair before reporting ready (pays the NIXL
     #: handshake at start-up instead of in a user's first request).
     warmup: bool = True

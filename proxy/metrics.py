@@ -53,6 +53,13 @@ class ProxyMetrics:
         self.inflight_requests = Gauge(
             "pd_inflight_requests", "Requests being served now.", registry=r,
         )
+        self.event_loop_lag_seconds = Histogram(
+            "pd_event_loop_lag_seconds", "How late the event loop ran a timer due now: how long"
+            " one piece of work held the loop (every request and stream waits that long).",
+            buckets=(0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                     0.5, 1.0, 2.5),
+            registry=r,
+        )
         self.engine_up = Gauge(
             "pd_engine_up", "1 when the engine answers its health check.",
             ["role", "engine"], registry=r,

@@ -34,7 +34,8 @@ from proxy.metrics import ProxyMetrics
 from proxy.policy import Decision, PolicyMode, RouteInputs, decide
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
-from proxy.tokens import PromptTokenizer
+from proxy.tokenizer_pool import TokenizerPool
+from proxy.tokens import prompt_chars
 from transport import kv_params
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,6 @@ def output_budget(body: dict[str, Any]) -> int:
     return DEFAULT_OUTPUT_BUDGET
 
 
-def prompt_chars(body: dict[str, Any]) -> int:
-    if "messages" in body:
-        return sum(len(str(m.get("content") or "")) for m in body["messages"])
-    prompt = body.get("prompt")
-    return len(prompt) if isinstance(prompt, str) else 4 * len(prompt or [])
-
-
 def prefill_body(body: dict[str, Any], limits: kv_params.KVLimits | None = None
                  ) -> dict[str, Any]:
     """The client's request cut down to a prefill: one token, no stream, ids returned."""
@@ -141,21 +135,22 @@ class Orchestrator:
         deadlines: Deadlines,
         metrics: ProxyMetrics,
         costs: RouteCosts,
-        tokenizer: PromptTokenizer | None = None,
+        prompts: TokenizerPool | None = None,
     ):
         self.pool = pool
         self.policy = policy
         self.deadlines = deadlines
         self.metrics = metrics
         self.costs = costs
-        self.tokenizer = tokenizer
+        #: Measures prompts off the event loop (length, block keys); None: estimate from chars.
+        self.prompts = prompts
         self._background: set[asyncio.Task] = set()
 
     async def serve(
         self, req: ApiRequest, prefill: Engine | None = None, decode: Engine | None = None
     ) -> Reply | Stream:
         """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else the cheapest."""
-        trace = self._plan(req, prefill, decode)
+        trace = await self._plan(req, prefill, decode)
         try:
             return await self._serve(req, trace)
         except BaseException:
@@ -226,18 +221,23 @@ class Orchestrator:
         return headers
 
     # -- planning ------------------------------------------------------------------------------
-    def _plan(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None) -> _Trace:
+    async def _plan(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None
+                    ) -> _Trace:
         t_start = time.perf_counter()
         chars = prompt_chars(req.body)
-        ids = self.tokenizer.ids(req.body) if self.tokenizer is not None else None
-        tokens = len(ids) if ids is not None else self.costs.token_ratio.tokens(chars)
+        measured = None
+        if self.prompts is not None:
+            sizes = {e.index.block_size for e in self.pool.all() if e.index.block_size}
+            measured = await self.prompts.measure(req.body, sorted(sizes))
+        tokens = measured.n_tokens if measured else self.costs.token_ratio.tokens(chars)
         budget = output_budget(req.body)
 
         hits: dict[str, int] = {}
 
         def cached(engine: Engine) -> int:  # once per engine: picking and deciding both ask
             if engine.name not in hits:
-                hits[engine.name] = engine.index.cached_tokens(ids) if ids else 0
+                hits[engine.name] = (engine.index.cached_keys(
+                    measured.keys(engine.index.block_size)) if measured else 0)
             return hits[engine.name]
 
         # Least outstanding work after this request: its new prompt tokens (those the engine
@@ -303,7 +303,7 @@ class Orchestrator:
                 raise from_engine_error(reply.status, reply.body)
             if reply.status != 200:
                 return self._fallback("prefill_error")
-            handoff = kv_params.parse_prefill_reply(reply.json())
+            handoff = kv_params.parse_prefill_json(reply.body)
         except ClientError:
             raise
         except EngineUnreachable:
@@ -315,7 +315,7 @@ class Orchestrator:
             return self._fallback("bad_handoff")
         finally:
             self.costs.end(prefill.name, trace.prompt_tokens_est)
-        n = len(handoff.prompt_token_ids)
+        n = handoff.num_prompt_tokens
         self.costs.observe_prompt(trace.prompt_chars, n)
         if idle:
             new, seconds = n - handoff.cached_tokens, time.perf_counter() - t0
@@ -448,7 +448,7 @@ class Orchestrator:
         if trace.handoff is not None and trace.prefill is not None:
             handover = now - trace.t_handoff
             self.metrics.stage_seconds.labels("handover", trace.route).observe(handover)
-            moved = len(trace.handoff.prompt_token_ids) - trace.decode_cached_tokens
+            moved = trace.handoff.num_prompt_tokens - trace.decode_cached_tokens
             self.costs.observe_handover(trace.prefill.name, trace.decode.name, moved, handover)
         elif trace.decode_was_idle:
             self.costs.observe_local_prefill(trace.decode.name, trace.decode_new_tokens,

@@ -4,22 +4,42 @@ Blocks are keyed by their content chain (the key of the parent block plus this b
 ids), so a lookup needs only the prompt's token ids and the block size, not vLLM's hash function
 or seed. Offload tiers (vLLM's OffloadingConnector, medium ``CPU``) publish stores without token
 ids, naming blocks by the engine's block hash: those are matched through the engine's earlier
-event for the same hash (kept a while after the engine itself dropped the block). ``cached_tokens(ids)`` walks the prompt block by block and returns how many leading
-tokens the engine can load instead of computing (any tier), and per tier.
+event for the same hash (kept a while after the engine itself dropped the block).
+
+A prompt is looked up by its block keys (:func:`block_keys`, computed where it was tokenized:
+a worker process, off the proxy's event loop); ``cached_keys(keys)`` walks them and returns how
+many leading tokens the engine can load instead of computing (any tier, or one).
+``cached_tokens(ids)`` does both for a prompt given as token ids.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from transport.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEvent
 
 ContentKey = int
+#: The parent of a prompt's first block. An int, not None: ``hash`` of ints and tuples of ints
+#: is the same in every process, so a tokenizer worker computes the keys this index holds
+#: (``hash(None)`` is an address in Python 3.11).
+_ROOT: ContentKey = 0
 
 
-def _chain(parent: ContentKey | None, tokens: Sequence[int]) -> ContentKey:
+def _chain(parent: ContentKey, tokens: Sequence[int]) -> ContentKey:
     return hash((parent, tuple(tokens)))
+
+
+def block_keys(token_ids: Sequence[int], block_size: int) -> array:
+    """The content key of each full block of a prompt (signed 64-bit; the last partial block
+    has none): what :meth:`PrefixIndex.cached_keys` looks up."""
+    keys = array("q")
+    parent = _ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _chain(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
 
 
 class PrefixIndex:
@@ -74,8 +94,8 @@ class PrefixIndex:
                     self._tiers.setdefault(key, Counter())[ev.tier] += 1
             return
         self.block_size = ev.block_size
-        parent = self._key_of.get(ev.parent_hash) if ev.parent_hash is not None else None
-        if ev.parent_hash is not None and parent is None:
+        parent = self._key_of.get(ev.parent_hash) if ev.parent_hash is not None else _ROOT
+        if parent is None:
             return  # parent unknown (we joined late): these blocks cannot be matched by prefix
         bs = ev.block_size
         for i, h in enumerate(ev.block_hashes):
@@ -92,16 +112,17 @@ class PrefixIndex:
 
     def cached_tokens(self, token_ids: Sequence[int], tier: str | None = None) -> int:
         """Leading tokens of ``token_ids`` held (in ``tier``, or any tier), in whole blocks."""
-        bs = self.block_size
-        if not bs:
+        if not self.block_size:
             return 0
-        parent: ContentKey | None = None
+        return self.cached_keys(block_keys(token_ids, self.block_size), tier)
+
+    def cached_keys(self, keys: Iterable[ContentKey], tier: str | None = None) -> int:
+        """Leading tokens held (in ``tier``, or any tier) of a prompt whose blocks of this
+        index's ``block_size`` have ``keys``: one dict lookup per block, up to the first miss."""
         n = 0
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            key = _chain(parent, token_ids[start:start + bs])
+        for key in keys:
             tiers = self._tiers.get(key)
             if not tiers or (tier is not None and tier not in tiers):
                 break
-            n += bs
-            parent = key
-        return n
+            n += 1
+        return n * (self.block_size or 0)

@@ -60,7 +60,7 @@ async def _warm_pair(prefill, decode, model: str) -> bool:
     headers = {"x-request-id": "pdserve-warmup"}
     try:
         reply = await prefill.post_json("/v1/completions", pbody, headers, 120.0)
-        handoff = kv_params.parse_prefill_reply(reply.json())
+        handoff = kv_params.parse_prefill_json(reply.body)
         dbody = dict(body)
         dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff)
         reply = await decode.post_json("/v1/completions", dbody, headers, 120.0)
@@ -104,7 +104,7 @@ async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, dec
                  ) -> None:
     from proxy.requests import ApiRequest
 
-    body = {"model": model, "prompt": probe_prompt(n, orchestrator.tokenizer),
+    body = {"model": model, "prompt": await probe_prompt(n, orchestrator.prompts),
             "max_tokens": 1, "temperature": 0, "stream": True}
     req = ApiRequest("completions", body, True, f"pdserve-probe-{route}-{n}",
                      force_route=route)  # type: ignore[arg-type]
@@ -116,13 +116,13 @@ async def _probe(orchestrator, model: str, n: int, route: str, prefill=None, dec
         log.warning("probe %s/%d failed: %s", route, n, exc)
 
 
-def probe_prompt(n_tokens: int, tokenizer) -> str | list[int]:
+async def probe_prompt(n_tokens: int, prompts) -> str | list[int]:
     """A fresh random prompt of about ``n_tokens`` tokens (exactly, as token ids, when the
     proxy has the tokenizer); random so that no engine has it cached."""
     rng = random.Random()
     words = " ".join(rng.choice(_PROBE_WORDS) for _ in range(n_tokens))
-    if tokenizer is not None:
-        ids = tokenizer.ids({"prompt": words})
+    if prompts is not None:
+        ids = await prompts.ids({"prompt": words})
         if ids:
             return ids[:n_tokens]
     return words[: 4 * n_tokens]  # ~4 characters per token

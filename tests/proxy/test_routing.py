@@ -11,7 +11,9 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import DEFAULT_OUTPUT_BUDGET, Orchestrator, output_budget
 from proxy.policy import parse_policy
 from proxy.pool import EnginePool
+from proxy.prefix_index import block_keys
 from proxy.requests import ApiRequest
+from proxy.tokens import PromptTokens
 from transport.kv_events import BlocksStored
 
 BS = 16
@@ -24,8 +26,11 @@ class Named:
 
 
 class Ids:
-    def ids(self, body):
-        return list(body["prompt"])
+    """Prompts that are token ids already, measured the way the tokenizer pool measures."""
+
+    async def measure(self, body, block_sizes):
+        ids = list(body["prompt"])
+        return PromptTokens(len(ids), {bs: block_keys(ids, bs) for bs in block_sizes})
 
 
 def setup(prefills=("p0", "p1"), decodes=("d0", "d1")):
@@ -34,7 +39,7 @@ def setup(prefills=("p0", "p1"), decodes=("d0", "d1")):
         e.healthy = True
     costs = RouteCosts(kv_bytes_per_token=1000)
     orch = Orchestrator(pool, parse_policy("disaggregate"), Deadlines(), ProxyMetrics(), costs,
-                        tokenizer=Ids())
+                        prompts=Ids())
     return pool, costs, orch
 
 
@@ -48,29 +53,29 @@ def request(max_tokens=16, prompt=PROMPT):
                       False, "r")
 
 
-def test_prefill_with_the_prefix_cached_is_chosen_over_rotation():
+async def test_prefill_with_the_prefix_cached_is_chosen_over_rotation():
     pool, _, orch = setup()
     cache(pool.get("p1"), PROMPT[:48])
     for _ in range(3):  # p1 has 48 of 64 tokens: 16 new ones there, 64 on p0
-        assert orch._plan(request(), None, None).prefill.name == "p1"
+        assert (await orch._plan(request(), None, None)).prefill.name == "p1"
 
 
-def test_cached_prefix_loses_once_its_engine_is_loaded_more_than_it_saves():
+async def test_cached_prefix_loses_once_its_engine_is_loaded_more_than_it_saves():
     pool, costs, orch = setup()
     cache(pool.get("p1"), PROMPT[:48])
     costs.begin("p1", 40)  # queued prompt work on p1: 40 + 16 new < 0 + 64 new on p0
-    assert orch._plan(request(), None, None).prefill.name == "p1"
+    assert (await orch._plan(request(), None, None)).prefill.name == "p1"
     costs.begin("p1", 20)  # 60 + 16 > 64: p0
-    assert orch._plan(request(), None, None).prefill.name == "p0"
+    assert (await orch._plan(request(), None, None)).prefill.name == "p0"
 
 
-def test_decode_load_counts_output_budgets_and_releases_them():
+async def test_decode_load_counts_output_budgets_and_releases_them():
     _, costs, orch = setup()
-    long = orch._plan(request(max_tokens=1000), None, None)
+    long = await orch._plan(request(max_tokens=1000), None, None)
     assert long.decode.name == "d0" and costs.load_tokens("d0") == 1000
     # By request count they would alternate; by tokens the short ones go to d1 until d1
     # holds as much as the long answer's budget.
-    shorts = [orch._plan(request(max_tokens=100), None, None) for _ in range(11)]
+    shorts = [await orch._plan(request(max_tokens=100), None, None) for _ in range(11)]
     assert [t.decode.name for t in shorts] == ["d1"] * 10 + ["d0"]
     assert costs.load_tokens("d1") == 1000 and costs.load_tokens("d0") == 1100
     for t in [long, *shorts]:
@@ -78,26 +83,26 @@ def test_decode_load_counts_output_budgets_and_releases_them():
     assert costs.load_tokens("d0") == costs.load_tokens("d1") == 0
 
 
-def test_streamed_tokens_come_off_the_budget():
+async def test_streamed_tokens_come_off_the_budget():
     _, costs, orch = setup()
-    t = orch._plan(request(max_tokens=10), None, None)
+    t = await orch._plan(request(max_tokens=10), None, None)
     orch._release_output(t, 3)
     assert costs.load_tokens(t.decode.name) == 7
     orch._release_output(t, 30)  # more frames than budget (role frame, usage frame)
     assert costs.load_tokens(t.decode.name) == 0 and t.output_left == 0
 
 
-def test_other_clients_requests_count_at_the_engines_mean_prompt_size():
+async def test_other_clients_requests_count_at_the_engines_mean_prompt_size():
     pool, costs, orch = setup()
     d0 = pool.get("d0")
     d0._foreign, d0.mean_prompt_tokens = 2, 300.0
     assert costs.load_tokens("d0", d0.foreign_requests, d0.mean_prompt_tokens) == 600
-    assert orch._plan(request(max_tokens=100), None, None).decode.name == "d1"
+    assert (await orch._plan(request(max_tokens=100), None, None)).decode.name == "d1"
     # d1 has seen no mean yet: the typical prompt size this proxy has seen stands in.
     assert costs.load_tokens("d1", 1, None) == 100 + costs.typical_prompt_tokens
 
 
-def test_output_budget_is_the_requests_max_tokens():
+async def test_output_budget_is_the_requests_max_tokens():
     assert output_budget({"max_tokens": 7}) == 7
     assert output_budget({"max_completion_tokens": 9, "max_tokens": 7}) == 9
     assert output_budget({}) == DEFAULT_OUTPUT_BUDGET

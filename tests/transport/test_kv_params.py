@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from transport import kv_params
@@ -15,6 +16,7 @@ from transport.kv_params import (
     PrefillHandoff,
     decode_request_params,
     has_client_params,
+    parse_prefill_json,
     parse_prefill_reply,
     prefill_request_params,
 )
@@ -215,20 +217,62 @@ def test_handoff_error_is_a_value_error() -> None:
     assert issubclass(HandoffError, ValueError)
 
 
+@pytest.mark.parametrize("reply", [r for _, r in BAD_REPLIES], ids=[n for n, _ in BAD_REPLIES])
+def test_bad_reply_bytes_raise_handoff_error(reply: Any) -> None:
+    """The hot path (the reply's bytes, ids kept raw) refuses exactly what the dict path does."""
+    with pytest.raises(HandoffError):
+        parse_prefill_json(msgspec.json.encode(reply))
+
+
+@pytest.mark.parametrize("make", [chat_reply, completions_reply])
+def test_reply_bytes_give_the_same_handoff(make) -> None:
+    raw = parse_prefill_json(msgspec.json.encode(make()))
+    assert raw == parse_prefill_reply(make())
+    assert raw.num_prompt_tokens == len(PROMPT_IDS)
+    assert raw.prompt_token_ids == tuple(PROMPT_IDS)
+
+
+@pytest.mark.parametrize("text", [b"[]", b"[ ]", b"[-1]", b"[1.5]", b'["1"]', b"null",
+                                  b"[true]", b"{}", b"1", b"[[1]]", b"[1e3]"])
+def test_token_id_scan_refuses_anything_but_a_list_of_ids(text: bytes) -> None:
+    with pytest.raises(HandoffError):
+        kv_params.count_token_ids(text)
+
+
+@pytest.mark.parametrize("ids", [b"[1,,2]", b"[1,]", b"[,1]", b"[1 2]"])
+def test_malformed_id_json_never_reaches_the_scan(ids: bytes) -> None:
+    """The scan relies on well-formed JSON; the reply's decoder refuses anything else."""
+    reply = msgspec.json.encode(chat_reply(prompt_token_ids=None))
+    reply = reply.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":' + ids)
+    with pytest.raises(HandoffError):
+        parse_prefill_json(reply)
+
+
+def test_token_id_scan_counts() -> None:
+    assert kv_params.count_token_ids(b"[ 1, 22,\n333 ]") == 3
+    assert kv_params.count_token_ids(b"[7]") == 1
+
+
 # --- decode_request_params -------------------------------------------------------------------
+
+
+def _as_sent(params: dict[str, Any]) -> Any:
+    """``params`` the way a decode engine receives them (msgspec encodes every engine body)."""
+    return msgspec.json.decode(msgspec.json.encode(params))
 
 
 def test_decode_params_are_the_prefill_params_plus_prompt_ids() -> None:
     handoff = parse_prefill_reply(chat_reply())
     params = decode_request_params(handoff)
-    assert params == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
-    assert isinstance(params["prompt_token_ids"], list)  # JSON-ready, not a tuple
+    assert _as_sent(params) == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
+    # The prefill's JSON spliced verbatim, never turned into Python ints on the way.
+    assert isinstance(params["prompt_token_ids"], msgspec.Raw)
 
 
 def test_unknown_keys_pass_through_verbatim() -> None:
     extra = {"future_key": {"nested": [1, 2]}, "remote_pcp_size": 2, "weird": None}
     handoff = parse_prefill_reply(chat_reply(nixl_params(**extra)))
-    params = decode_request_params(handoff)
+    params = _as_sent(decode_request_params(handoff))
     for key, value in extra.items():
         assert key in params and params[key] == value
 
@@ -239,19 +283,20 @@ def test_decode_params_do_not_mutate_the_handoff() -> None:
     params = decode_request_params(handoff)
     assert "prompt_token_ids" not in handoff.params
     params["remote_host"] = "elsewhere"
-    params["prompt_token_ids"].append(1)
+    params["prompt_token_ids"] = [1]
     assert dict(handoff.params) == before
     assert handoff.prompt_token_ids == tuple(PROMPT_IDS)
     # Asking twice gives the same answer.
-    assert decode_request_params(handoff) == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
+    assert _as_sent(decode_request_params(handoff)) == nixl_params() | {
+        "prompt_token_ids": PROMPT_IDS}
 
 
 def test_decode_params_from_a_constructed_handoff() -> None:
     handoff = PrefillHandoff(
         engine_id="e", request_id="r", host="h", port=1, num_blocks=0, num_tokens=0,
-        cached_tokens=0, prompt_token_ids=(5, 6), params={"k": "v"},
+        cached_tokens=0, prompt_token_ids_json=b"[5,6]", num_prompt_tokens=2, params={"k": "v"},
     )
-    assert decode_request_params(handoff) == {"k": "v", "prompt_token_ids": [5, 6]}
+    assert _as_sent(decode_request_params(handoff)) == {"k": "v", "prompt_token_ids": [5, 6]}
 
 
 # --- prefill_request_params / has_client_params -----------------------------------------------
