@@ -213,7 +213,7 @@ async def direct_pd_ttft(session: aiohttp.ClientSession, prefill: str, decode: s
         raw = await r.read()
     handoff = kv_params.parse_prefill_json(raw)
     dbody = dict(body, stream=True, max_tokens=2)
-    dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff)
+    dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(handoff, raw_ids=True)
     import msgspec
 
     async with session.post(decode + CHAT, data=msgspec.json.encode(dbody),

@@ -202,7 +202,8 @@ class Orchestrator:
         engine gets to it by ``trace.read_by``) or without (compute the prompt), plus the
         client's KV limits either way."""
         body = dict(req.body)
-        params = (kv_params.decode_request_params(trace.handoff, read_by=trace.read_by)
+        params = (kv_params.decode_request_params(trace.handoff, read_by=trace.read_by,
+                                                  raw_ids=True)
                   if trace.handoff is not None else None)
         if (params := kv_params.with_limits(params, req.kv_limits)) is not None:
             body[kv_params.BODY_KEY] = params

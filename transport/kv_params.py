@@ -180,14 +180,16 @@ def _handoff(params: Any, ids_json: bytes) -> PrefillHandoff:
     )
 
 
-def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None
-                          ) -> dict[str, Any]:
+def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None, *,
+                          raw_ids: bool = False) -> dict[str, Any]:
     """Params for the decode request: pull ``handoff``'s blocks and reuse its prompt token ids;
-    with ``read_by`` (unix seconds), only if the decode engine gets to them before then. The ids
-    are a ``msgspec.Raw``: encode the body with msgspec."""
+    with ``read_by`` (unix seconds), only if the decode engine gets to them before then.
+
+    ``raw_ids``: the ids as the prefill's JSON (a ``msgspec.Raw``, spliced verbatim when the body
+    is encoded with msgspec: the proxy's hot path); otherwise a list, for any JSON encoder."""
     params = dict(handoff.params)
-    # Spliced verbatim into the encoded body (msgspec encodes every engine body).
-    params[PROMPT_TOKEN_IDS_KEY] = msgspec.Raw(handoff.prompt_token_ids_json)
+    params[PROMPT_TOKEN_IDS_KEY] = (msgspec.Raw(handoff.prompt_token_ids_json) if raw_ids
+                                    else list(handoff.prompt_token_ids))
     if read_by is not None:
         params[READ_BY_KEY] = read_by
     return params

@@ -264,9 +264,12 @@ def _as_sent(params: dict[str, Any]) -> Any:
 def test_decode_params_are_the_prefill_params_plus_prompt_ids() -> None:
     handoff = parse_prefill_reply(chat_reply())
     params = decode_request_params(handoff)
-    assert _as_sent(params) == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
-    # The prefill's JSON spliced verbatim, never turned into Python ints on the way.
-    assert isinstance(params["prompt_token_ids"], msgspec.Raw)
+    assert params == nixl_params() | {"prompt_token_ids": PROMPT_IDS}
+    assert isinstance(params["prompt_token_ids"], list)  # JSON-ready, not a tuple
+    raw = decode_request_params(handoff, raw_ids=True)
+    assert _as_sent(raw) == params
+    # The proxy's way: the prefill's JSON spliced verbatim, never turned into Python ints.
+    assert isinstance(raw["prompt_token_ids"], msgspec.Raw)
 
 
 def test_unknown_keys_pass_through_verbatim() -> None:
