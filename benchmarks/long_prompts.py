@@ -18,7 +18,12 @@ enough for the largest prompt. For each prompt length (chat prompts of random wo
    prefill and decode hops itself), ``pool``, ``inline``. Added TTFT = arm - direct_pd (p50),
    the proxy's CPU per request (the proxy and its tokenizer workers, from ``/proc``), and the
    longest event-loop stall the probe saw during the arm's requests.
-3. Streams in flight: ``--streams`` long streams through the arm's proxy (a frame every
+3. Slow callbacks: the same requests through two more proxies (``pool`` and ``inline``
+   settings) on asyncio's loop in debug mode, which logs each callback that held the loop over
+   1 ms and for how long: the direct count of "a single call held the loop" (the ``inline`` one
+   shows the detector works). The probe also sees the box itself: the other proxy's probe, idle
+   meanwhile, is printed as the floor.
+4. Streams in flight: ``--streams`` long streams through the arm's proxy (a frame every
    ``--frame-ms``), while requests arrive every ``--arrival-s``: a long prompt, or (interleaved,
    the control) a 16-token one. The gaps the streams see while each kind is in flight: p99 with
    long arrivals minus p99 with short ones is what a long prompt adds to everyone else.
@@ -91,14 +96,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def serve_proxy(config_json: str, port: int) -> None:
+    """The proxy; with ``x_slow_callback_ms`` in the config, on asyncio's own loop in debug
+    mode, which logs every callback that held the loop longer than that (and how long)."""
+    import logging
+
     import uvicorn
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
     from proxy.server import uvicorn_config
 
-    config = ProxyConfig(**json.loads(config_json))
-    uvicorn.Server(uvicorn_config(create_app(config), config, "127.0.0.1", port)).run()
+    settings = json.loads(config_json)
+    slow_ms = settings.pop("x_slow_callback_ms", None)
+    config = ProxyConfig(**settings)
+    server_config = uvicorn_config(create_app(config), config, "127.0.0.1", port)
+    if slow_ms is not None:
+        import asyncio.base_events
+
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        init = asyncio.base_events.BaseEventLoop.__init__
+
+        def debug_init(loop, *a, **k):  # type: ignore[no-untyped-def]
+            init(loop, *a, **k)
+            loop.set_debug(True)
+            loop.set_debug = lambda enabled: None  # uvicorn's runner would set it back
+            loop.slow_callback_duration = slow_ms / 1e3
+
+        asyncio.base_events.BaseEventLoop.__init__ = debug_init  # type: ignore[method-assign]
+        _log_gc_pauses(slow_ms / 2)
+        server_config.loop = "asyncio"
+    uvicorn.Server(server_config).run()
+
+
+def _log_gc_pauses(threshold_ms: float) -> None:
+    """Log every garbage collection that takes over ``threshold_ms`` (debug arms only)."""
+    import gc
+
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and (ms := (time.perf_counter() - started[0]) * 1e3) > threshold_ms:
+            print(f"GC gen {info['generation']} took {ms:.2f} ms "
+                  f"({info['collected']} collected)", file=sys.stderr, flush=True)
+
+    gc.callbacks.append(callback)
 
 
 class Process:
@@ -230,6 +273,7 @@ async def ttft_rounds(session: aiohttp.ClientSession, proxies: dict[str, Process
     ttft: dict[str, list[float]] = {a: [] for a in arms}
     cpu: dict[str, list[float]] = {a: [] for a in proxies}
     lag: dict[str, float] = dict.fromkeys(proxies, 0.0)
+    idle_lag: dict[str, float] = dict.fromkeys(proxies, 0.0)  # the other proxy, idle meanwhile
     errors: list[str] = []
     for arm, proc in proxies.items():  # not counted: first-use costs of this prompt size
         for _ in range(2):
@@ -243,6 +287,7 @@ async def ttft_rounds(session: aiohttp.ClientSession, proxies: dict[str, Process
                 continue
             proc = proxies[arm]
             before = await lag_buckets(session, proc.url)
+            others = {o: await lag_buckets(session, p.url) for o, p in proxies.items() if o != arm}
             c0 = proc.cpu_s()
             t = await timed_stream(session, proc.url + CHAT,
                                    dict(body, stream=True, max_tokens=2, x_prompt_tokens=n_tokens))
@@ -252,6 +297,9 @@ async def ttft_rounds(session: aiohttp.ClientSession, proxies: dict[str, Process
                 continue
             ttft[arm].append(t.ttft_s)
             lag[arm] = max(lag[arm], await max_lag_ms(session, proc.url, before))
+            for other, since in others.items():
+                idle_lag[arm] = max(idle_lag[arm],
+                                    await max_lag_ms(session, proxies[other].url, since))
     base = statistics.median(ttft["direct_pd"])
     out: dict[str, Any] = {"direct_pd_ttft_ms": summarize(ttft["direct_pd"], 1e3),
                            "errors": errors}
@@ -260,7 +308,9 @@ async def ttft_rounds(session: aiohttp.ClientSession, proxies: dict[str, Process
                     "added_ttft_ms_p50": (statistics.median(ttft[arm]) - base) * 1e3
                     if ttft[arm] else None,
                     "cpu_ms_per_request": summarize(cpu[arm], 1e3),
-                    "max_loop_stall_ms": lag[arm]}
+                    "max_loop_stall_ms": lag[arm],
+                    # the same probe in the other proxy, idle meanwhile: this box's floor
+                    "idle_proxy_max_lag_ms": idle_lag[arm]}
     return out
 
 
@@ -309,6 +359,34 @@ async def streams_in_flight(session: aiohttp.ClientSession, proxy: Process, long
             "max_loop_stall_ms": stall, "frames_per_stream": n_frames}
 
 
+async def slow_callbacks(session: aiohttp.ClientSession, proxy: Process, body: dict,
+                         n_tokens: int, rounds: int) -> dict[str, Any]:
+    """Requests of this size through the debug-mode proxy: every callback that held its loop
+    over the threshold, as asyncio logged it (duration and what it was)."""
+    start = proxy.log_path.stat().st_size
+    for _ in range(rounds):
+        await timed_stream(session, proxy.url + CHAT,
+                           dict(body, stream=True, max_tokens=2, x_prompt_tokens=n_tokens))
+    await asyncio.sleep(0.5)
+    with open(proxy.log_path, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    slow = []
+    for line in lines:
+        if line.startswith("Executing ") and " took " in line:
+            seconds = float(line.rsplit(" took ", 1)[1].split()[0])
+            slow.append((seconds * 1e3, line[10:160]))
+    slow.sort(reverse=True)
+    # Callbacks whose own work is microseconds (the lag probe, a timer setting a future) can
+    # only be slow because the OS took the CPU away meanwhile: counted apart.
+    trivial = [s for s in slow if "watch_loop_lag" in s[1] or "_set_result_unless" in s[1]]
+    work = [s for s in slow if s not in trivial]
+    return {"requests": rounds, "over_threshold": len(slow),
+            "max_ms": slow[0][0] if slow else 0.0,
+            "trivial_over_threshold": len(trivial), "work_over_threshold": len(work),
+            "work_max_ms": work[0][0] if work else 0.0, "worst": slow[:8]}
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -352,7 +430,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                for i, role in enumerate(("prefill", "decode"))]
     proxies: dict[str, Process] = {}
     try:
-        for i, (arm, inline_chars) in enumerate((("pool", None), ("inline", 1 << 40))):
+        arms = (("pool", None, None), ("inline", 1 << 40, None), ("debug_pool", None, 1.0),
+                ("debug_inline", 1 << 40, 1.0))
+        for i, (arm, inline_chars, slow_ms) in enumerate(arms):
             config = {"prefill_urls": [engines[0].url], "decode_urls": [engines[1].url],
                       "served_model_names": ["m"], "policy": "threshold:0", "warmup": False,
                       "tokenizer": model, "tokenizer_workers": args.tokenizer_workers,
@@ -360,11 +440,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                       "body_limit_bytes": 64 << 20}
             if inline_chars is not None:
                 config["tokenizer_inline_chars"] = inline_chars
+            if slow_ms is not None:
+                config["x_slow_callback_ms"] = slow_ms
             proxies[arm] = Process(
                 f"proxy-{arm}", [sys.executable, "-m", "benchmarks.long_prompts",
                                  "--serve-proxy", json.dumps(config), "--base-port",
                                  str(port + 10 + i)],
                 f"http://127.0.0.1:{port + 10 + i}", log_dir)
+        debug = {arm: proxies.pop(f"debug_{arm}") for arm in ("pool", "inline")}
         results: dict[str, Any] = {"sizes": {}, "config": vars(args)}
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -381,11 +464,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(f"{n} tokens: streams in flight through {arm} ...")
                     entry["streams"][arm] = await streams_in_flight(session, proc, body, n,
                                                                     args, rng)
+                entry["slow_callbacks"] = {
+                    arm: await slow_callbacks(session, proc, body, n, args.rounds)
+                    for arm, proc in debug.items()}
                 results["sizes"][str(size)] = entry
                 report_size(entry)
         return results
     finally:
-        for proc in [*proxies.values(), *engines]:
+        for proc in [*proxies.values(), *engines, *locals().get("debug", {}).values()]:
             proc.stop()
 
 
@@ -397,7 +483,13 @@ def report_size(entry: dict[str, Any]) -> None:
         log(f"  {n:7d} tok {arm:6s}: added TTFT {added:8.1f} ms (x{added / tok:4.2f} of tokenize "
             f"{tok:.1f}), CPU/request {t['cpu_ms_per_request'].get('p50', 0):7.1f} ms, "
             f"max loop stall {t['max_loop_stall_ms']:g} ms (streams: {s['max_loop_stall_ms']:g}"
-            f" ms), streams p99 gap gain {s['p99_gain_ms']:+.1f} ms")
+            f" ms), streams p99 gap gain {s['p99_gain_ms']:+.1f} ms; idle proxy's probe "
+            f"meanwhile {t['idle_proxy_max_lag_ms']:g} ms")
+    for arm, slow in entry["slow_callbacks"].items():
+        log(f"  {n:7d} tok {arm:6s} in asyncio debug mode ({slow['requests']} requests): "
+            f"{slow['work_over_threshold']} callbacks over 1 ms doing work (longest "
+            f"{slow['work_max_ms']:.0f} ms), {slow['trivial_over_threshold']} trivial ones "
+            "(probe, timer: preempted by the OS)")
 
 
 def verdict(results: dict[str, Any]) -> dict[str, Any]:
