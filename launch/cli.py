@@ -44,6 +44,11 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--side-channel-base-port", type=int, default=5600)
     p.add_argument("--policy", default="auto",
                    help="auto (live cost model) | disaggregate | local | threshold:N")
+    p.add_argument("--layout", choices=("disaggregated", "aggregated", "pool"),
+                   default="disaggregated",
+                   help="disaggregated: a prefill + a decode engine; aggregated: two engines "
+                        "that each serve whole requests; pool: two engines that may do either "
+                        "(the policy picks per request)")
     p.add_argument("--probe-tokens", default="64,256,1024",
                    help="prompt lengths of the start-up probes that seed the cost model "
                         "('' for none)")
@@ -250,6 +255,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         max_queued=args.max_queued,
         engine_dev_endpoints=args.engine_dev_endpoints,
         restart_engines=not args.no_restart,
+        layout=args.layout,
     )
     return run_dev(opts)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.isolation import guard
 from launch.processes import (
     EngineProcess,
     check_ports_free,
@@ -67,6 +68,11 @@ class DevOptions:
     kv_blocks: int | None = None
     #: Restart an engine that dies (see launch/supervisor.py).
     restart_engines: bool = True
+    #: ``disaggregated``: a prefill and a decode engine. ``aggregated``: two engines that each
+    #: serve whole requests. ``pool``: two engines that may do either (vLLM's ``kv_both``): the
+    #: policy picks, per request, local on one or prefill on the other. Aggregated and pool
+    #: are the same engines; ``POST /pd/admin/routing`` switches between them at run time.
+    layout: str = "disaggregated"
 
 
 def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
@@ -105,6 +111,8 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         prefill = replace(prefill, host=link.ns_addr, netns=link.netns,
                           ucx_device=link.ns_device)
         decode = replace(decode, ucx_device=link.host_device)
+    if opts.layout != "disaggregated":  # two engines alike: each may prefill or decode
+        prefill, decode = replace(prefill, role="both"), replace(decode, role="both")
     return prefill, decode
 
 
@@ -168,6 +176,9 @@ def run_dev(opts: DevOptions) -> int:
     engines: list[EngineProcess] = []
     link: ThrottledLink | None = None
     supervisor: Supervisor | None = None
+    if opts.link_mbit is not None and opts.layout != "disaggregated":
+        raise ValueError("--link-mbit puts the prefill engine behind the link: it needs "
+                         "--layout disaggregated")
     try:
         if opts.link_mbit is not None:
             link = ThrottledLink().create()
@@ -179,13 +190,20 @@ def run_dev(opts: DevOptions) -> int:
         _write_run_file(log_dir, opts, engines)
         print(f"engine logs: {log_dir}/", file=sys.stderr)
         wait_ready(engines, opts.start_timeout_s, Progress())
+        confinement_report(engines)
         if opts.restart_engines:
             supervisor = Supervisor(engines, log_dir,
                                     on_restart=lambda es: _write_run_file(log_dir, opts, es))
             supervisor.start()
+        pooled = opts.layout != "disaggregated"
+        urls = (prefill_spec.url, decode_spec.url)
+        events = (prefill_spec.kv_events_endpoint or "", decode_spec.kv_events_endpoint or "")
         config = ProxyConfig(
-            prefill_urls=(prefill_spec.url,),
-            decode_urls=(decode_spec.url,),
+            prefill_urls=() if pooled else urls[:1],
+            decode_urls=() if pooled else urls[1:],
+            pool_urls=urls if pooled else (),
+            pool_kv_events=events if pooled else (),
+            layout="aggregated" if opts.layout == "aggregated" else "pool",
             served_model_names=(opts.served_model_name,),
             policy=opts.policy,
             api_key=opts.api_key,
@@ -199,8 +217,8 @@ def run_dev(opts: DevOptions) -> int:
             kv_lease_s=opts.lease_s,
             max_inflight=opts.max_inflight,
             max_queued=opts.max_queued,
-            prefill_kv_events=(prefill_spec.kv_events_endpoint or "",),
-            decode_kv_events=(decode_spec.kv_events_endpoint or "",),
+            prefill_kv_events=() if pooled else events[:1],
+            decode_kv_events=() if pooled else events[1:],
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
             max_model_len=opts.max_model_len,
         )
@@ -228,6 +246,16 @@ def run_dev(opts: DevOptions) -> int:
                 link.destroy()
 
 
+def confinement_report(engines: Sequence[EngineProcess]) -> None:
+    """Say on which cores each engine runs, after checking that all of it is there."""
+    for e in engines:
+        if e.spec.cpu_cores:
+            print(f"{e.spec.role} engine: every process and thread on core {e.spec.cpu_cores}",
+                  file=sys.stderr)
+    guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in engines),
+          lambda msg: print(f"warning: {msg}", file=sys.stderr))
+
+
 def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EngineProcess]) -> None:
     """``run.json``: what this dev mode started (pids, urls), for operators and tests."""
     info = {
@@ -235,7 +263,8 @@ def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EnginePro
         "parent_pid": os.getpid(),
         "engines": [
             {"role": e.spec.role, "url": e.spec.url, "pid": e.popen.pid,
-             "side_channel_port": e.spec.side_channel_port, "log": str(e.log_path)}
+             "side_channel_port": e.spec.side_channel_port, "log": str(e.log_path),
+             "cpu_cores": e.spec.cpu_cores}
             for e in engines
         ],
     }

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launch.engines import EngineSpec, engine_argv, engine_env
+from launch.isolation import confine, parse_cores
 
 
 class PortBusy(RuntimeError):
@@ -84,9 +85,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(cores: frozenset[int] | None, die_with_parent: bool) -> None:
+    """In the child, before exec: its cores (inherited by every process and thread the engine
+    starts, ``launch/isolation.py``), and death with its parent when asked."""
+    if die_with_parent:
+        _die_with_parent()
+    if cores:
+        confine(cores)
+
+
 def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
                  append_log: bool = False) -> EngineProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
+    cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
     log_file = open(log_path, "ab" if append_log else "wb")
     if append_log:
@@ -108,7 +119,7 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
         # own teardown was tested with.
         start_new_session=die_with_parent,
         process_group=None if die_with_parent else 0,
-        preexec_fn=_die_with_parent if die_with_parent else None,
+        preexec_fn=lambda: _child_setup(cores, die_with_parent),
     )
     log_file.close()
     return EngineProcess(spec, popen, log_path)

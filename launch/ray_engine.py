@@ -25,6 +25,7 @@ from typing import Any
 
 from launch.dev import kv_blocks_args
 from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.isolation import guard
 from launch.processes import EngineProcess, start_engine, stop_engines
 from transport.connector import ConnectorOptions
 from transport.kv_size import kv_bytes_per_token_for_model
@@ -173,9 +174,13 @@ class EngineHost:
         before it ever became ready is a configuration or resource error a restart would only
         repeat: it is reported (``info()["failed"]``) instead."""
         ready = False
+        checked = 0.0
         while not self._stopping.wait(0.25):
             if not ready:
                 ready = self.proc.healthy()
+            if ready and time.monotonic() - checked > 10.0:  # threads that moved themselves
+                checked = time.monotonic()
+                guard([(self.name, self.proc.popen.pid, self.spec.cpu_cores)], log.warning)
             if self.proc.popen.poll() is None:
                 continue
             try:  # whatever the server left behind (its engine-core and worker children)
@@ -196,6 +201,7 @@ class EngineHost:
             "name": self.name, "role": self.role, "url": self.spec.url,
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
             "node_ip": self.spec.host, "device": self.spec.device, "dtype": self.spec.dtype,
+            "cpu_cores": self.spec.cpu_cores,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
             "restarted": self.restarted, "failed": self.failed,
             "healthy": self.failed is None and self.proc.healthy(),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.isolation import parse_cores, sharing
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from proxy.pool import EndpointInfo
@@ -32,6 +33,19 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(prefill|decode)-(\d+)$")
 INFO_TIMEOUT_S = 2.0
+
+
+def report_core_sharing(infos: list[dict[str, Any]]) -> None:
+    """Each engine's tree is confined to its cores; when engines outnumber a node's cores some
+    share one: say which, at start-up (their streams then wait on each other)."""
+    by_node: dict[str, dict[str, frozenset[int]]] = {}
+    for i in infos:
+        if i.get("cpu_cores"):
+            by_node.setdefault(i["node_ip"], {})[i["name"]] = parse_cores(i["cpu_cores"])
+    for node, assignments in sorted(by_node.items()):
+        for core, names in sharing(assignments).items():
+            print(f"warning: node {node}: {', '.join(sorted(names))} share core {core} "
+                  "(more engines than cores)", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -231,6 +245,7 @@ def run_ray(opts: RayOptions) -> int:
                 _progress(elapsed, pending)
 
         infos = wait_engines_ready(scaler.handles, opts.start_timeout_s, progress)
+        report_core_sharing(infos)
         kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
         # Ordinal order: the proxy names configured engines <role>-<index>, like the actors.
         by_role = {r: sorted((i for i in infos if i["role"] == r),

@@ -18,9 +18,12 @@ from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.isolation import guard
 from launch.processes import EngineProcess, start_engine, stop_engines
 
 log = logging.getLogger(__name__)
+#: How often the engines' trees are checked for threads that left their cores.
+GUARD_EVERY_S = 10.0
 
 
 @dataclass
@@ -68,9 +71,14 @@ class Supervisor:
         self._thread.join(10)
 
     def _run(self) -> None:
+        last_guard = time.monotonic()
         while not self._stop.wait(self._poll_s):
             for i in range(len(self.engines)):
                 self.check(i, time.monotonic())
+            if time.monotonic() - last_guard >= GUARD_EVERY_S:  # threads that moved themselves
+                last_guard = time.monotonic()
+                guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in self.engines
+                       if e.alive()), log.warning)
 
     def check(self, i: int, now: float) -> None:
         """Look at engine ``i`` at time ``now``: note a death, restart when its pause is over."""

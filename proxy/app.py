@@ -44,7 +44,7 @@ from proxy.loop_lag import watch_loop_lag
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator, Reply, Stream
 from proxy.policy import parse_policy
-from proxy.pool import Engine, EnginePool
+from proxy.pool import BOTH, Engine, EnginePool
 from proxy.requests import (
     ApiRequest,
     Endpoint,
@@ -96,6 +96,9 @@ class ProxyState:
             self.metrics,
             prefill_events=self.config.prefill_kv_events,
             decode_events=self.config.decode_kv_events,
+            both=[mk("engine", i, u) for i, u in enumerate(self.config.pool_urls)],
+            both_events=self.config.pool_kv_events,
+            both_duties=BOTH if self.config.layout == "pool" else frozenset({"decode"}),
         )
         # Loaded whenever configured (POST /pd/lookup uses it); requests are tokenized at the
         # proxy only under the policies that need prompt lengths and cache lookups.
@@ -103,8 +106,7 @@ class ProxyState:
             self.prompts = await TokenizerPool.start(self.config.tokenizer,
                                                      self.config.tokenizer_workers,
                                                      self.config.tokenizer_inline_chars)
-        needs_ids = parse_policy(self.config.policy).kind in ("auto", "threshold")
-        prompts = self.prompts if needs_ids else None
+        prompts = self.prompts
         self._zmq = zmq.asyncio.Context()
         for engine in self.pool.all():
             self._start_feed(engine)
@@ -454,6 +456,62 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             engines[e.name] = {"cached_tokens": e.index.cached_keys(keys), "by_tier": tiers}
         return Response(_dumps({"prompt_tokens": measured.n_tokens, "engines": engines}),
                         media_type="application/json")
+
+    def routing_view() -> dict[str, Any]:
+        assert state.orchestrator is not None and state.pool is not None
+        return {"policy": str(state.orchestrator.policy),
+                "engines": {e.name: {"role": e.role, "duties": sorted(e.duties)}
+                            for e in state.pool.all()}}
+
+    @app.get("/pd/admin/routing")
+    async def get_routing(request: Request) -> Response:
+        """The routing policy and what each engine is asked to do."""
+        try:
+            check_auth(request)
+        except ProxyError as err:
+            return _error_response(err)
+        return Response(_dumps(routing_view()), media_type="application/json")
+
+    @app.post("/pd/admin/routing")
+    async def set_routing(request: Request) -> Response:
+        """``{"policy": "auto"|..., "prefill": [names], "decode": [names]}`` (each optional):
+        switch the policy, and the duties of the pool (``kv_both``) engines, at run time; what
+        is in flight finishes as it started. Always requires the API key when one is set."""
+        try:
+            check_auth(request)
+            body = parse_body(await request.body(), config.body_limit_bytes)
+            assert state.orchestrator is not None and state.pool is not None
+            policy = body.get("policy")
+            if policy is not None:
+                try:
+                    mode = parse_policy(policy) if isinstance(policy, str) else None
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), param="policy") from None
+                if mode is None:
+                    raise InvalidRequest("'policy' must be a string", param="policy")
+                if mode.kind == "auto" and config.kv_bytes_per_token is None:
+                    raise InvalidRequest("policy 'auto' needs the model's KV size",
+                                         param="policy")
+            duties = {k: body.get(k) for k in ("prefill", "decode")}
+            for key, names in duties.items():
+                if names is not None and not (isinstance(names, list)
+                                              and all(isinstance(n, str) for n in names)):
+                    raise InvalidRequest(f"'{key}' must be a list of engine names", param=key)
+            if any(v is not None for v in duties.values()):
+                current = {d: [e.name for e in getattr(state.pool, d)] for d in duties}
+                try:
+                    state.pool.assign(duties["prefill"] if duties["prefill"] is not None
+                                      else current["prefill"],
+                                      duties["decode"] if duties["decode"] is not None
+                                      else current["decode"])
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc)) from None
+            if policy is not None:
+                state.orchestrator.policy = mode
+        except ProxyError as err:
+            return _error_response(err)
+        log.info("routing now %s", routing_view())
+        return Response(_dumps(routing_view()), media_type="application/json")
 
     @app.post("/pd/admin/scale")
     async def scale(request: Request) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from proxy.deadlines import Deadlines
@@ -11,8 +13,16 @@ from proxy.policy import parse_policy
 class ProxyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...] = Field(min_length=1)
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    #: Engines that can do either per request (vLLM's ``kv_both``), named ``engine-<i>``.
+    pool_urls: tuple[str, ...] = ()
+    pool_kv_events: tuple[str, ...] = ()
+    #: What the pool engines are asked to do at start: ``pool`` (each prefills for the others
+    #: and decodes: the policy picks local or P/D per request) or ``aggregated`` (each serves
+    #: whole requests). Fixed-role engines (``prefill_urls``, ``decode_urls``) always do their
+    #: role. Changed at run time with ``POST /pd/admin/routing``.
+    layout: Literal["pool", "aggregated"] = "pool"
     served_model_names: tuple[str, ...] = Field(min_length=1)
     #: ZMQ endpoints of each engine's KV events (aligned with the urls; empty = not published).
     prefill_kv_events: tuple[str, ...] = ()
@@ -74,9 +84,13 @@ class ProxyConfig(BaseModel):
     def _check_cross_fields(self) -> "ProxyConfig":
         if self.total_deadline_s < self.first_byte_deadline_s:
             raise ValueError("total_deadline_s must be >= first_byte_deadline_s")
+        if not self.decode_urls and not self.pool_urls:
+            raise ValueError("need an engine that decodes: decode_urls or pool_urls")
         if len(self.prefill_kv_events) not in (0, len(self.prefill_urls)) or len(
             self.decode_kv_events
-        ) not in (0, len(self.decode_urls)):
+        ) not in (0, len(self.decode_urls)) or len(self.pool_kv_events) not in (
+            0, len(self.pool_urls)
+        ):
             raise ValueError("kv event endpoints must match the engine urls one to one")
         if self.policy == "auto" and self.kv_bytes_per_token is None:
             raise ValueError("policy 'auto' needs kv_bytes_per_token (from the model config)")

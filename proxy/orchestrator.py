@@ -247,7 +247,8 @@ class Orchestrator:
             lambda e: self._load(e) + tokens - cached(e) + budget)
         if decode is None:
             raise NoEngineAvailable("no decode engine is available")
-        prefill = prefill or self.pool.pick_prefill(lambda e: self._load(e) + tokens - cached(e))
+        prefill = prefill or self.pool.pick_prefill(
+            lambda e: self._load(e) + tokens - cached(e), exclude=decode)
         prefill_cached = cached(prefill) if prefill else 0
         decode_cached = cached(decode)
         costs = self.costs.inputs(

@@ -10,6 +10,13 @@ Membership is fixed (dev mode: the urls in the config) or reconciled from a dire
 (:meth:`EnginePool.reconcile`, Ray mode): new engines join unhealthy until probed, an engine
 whose url changed (restarted elsewhere) is replaced, and a vanished one leaves. Draining engines
 finish what they have but get nothing new (scale-down).
+
+An engine's ``role`` is what it can do: ``prefill`` (a KV producer), ``decode`` (a consumer,
+which also computes prompts itself on the local route) or ``both`` (vLLM's ``kv_both``: either,
+per request). Its ``duties`` are what it is asked to do now: its role's, or for a ``both``
+engine whatever the deployment assigns (the layout at start; :meth:`EnginePool.assign` at run
+time). ``prefill`` and ``decode`` list the engines by duty; :meth:`pairs` lists every pair that
+could hand KV over (prefill-capable to decode-capable, never an engine to itself).
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from transport.kv_events import AllCleared
 
 log = logging.getLogger(__name__)
 SLOW_PROBES_TO_MARK_DOWN = 3
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "both"]
+Duty = Literal["prefill", "decode"]
+BOTH: frozenset[str] = frozenset({"prefill", "decode"})
 
 
 @dataclass(eq=False)
@@ -58,10 +67,20 @@ class Engine:
     #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
     instance: str = ""
     #: When it was last picked (a pool-wide sequence number): ties rotate.
-    last_pick: int = 0
+    last_pick: dict[str, int] = field(default_factory=dict)  # per duty
     #: Up, but its NIXL handshakes with the other role are still being paid (it joined or came
     #: back after start-up): picked only when no other engine is usable.
     warming: bool = False
+    #: What it is asked to do now ("prefill", "decode"); by default all its role can do.
+    duties: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not self.duties:
+            self.duties = BOTH if self.role == "both" else frozenset({self.role})
+
+    def can(self, duty: Duty) -> bool:
+        """Whether the engine's role allows ``duty`` (assigned or not)."""
+        return self.role in (duty, "both")
 
     def update_load(self, metrics_text: str) -> None:
         load = parse_engine_load(metrics_text)
@@ -124,12 +143,19 @@ class EnginePool:
         health_timeout_s: float = 2.0,
         prefill_events: Sequence[str] = (),
         decode_events: Sequence[str] = (),
+        both: Sequence[EngineClient] = (),
+        both_events: Sequence[str] = (),
+        both_duties: frozenset[str] = BOTH,
     ):
-        self.prefill = [Engine("prefill", c) for c in prefill]
-        self.decode = [Engine("decode", c) for c in decode]
-        for engines, endpoints in ((self.prefill, prefill_events), (self.decode, decode_events)):
-            for engine, endpoint in zip(engines, endpoints):
-                engine.events_endpoint = endpoint or None
+        self.engines: list[Engine] = []
+        for role, clients, endpoints in (("prefill", prefill, prefill_events),
+                                         ("decode", decode, decode_events),
+                                         ("both", both, both_events)):
+            for i, client in enumerate(clients):
+                engine = Engine(role, client,  # type: ignore[arg-type]
+                                duties=both_duties if role == "both" else frozenset())
+                engine.events_endpoint = (endpoints[i] if i < len(endpoints) else None) or None
+                self.engines.append(engine)
         self._metrics = metrics
         self._health_timeout_s = health_timeout_s
         self._picks = 0
@@ -137,7 +163,45 @@ class EnginePool:
         self.on_up: Callable[[Engine], None] | None = None
 
     def all(self) -> list[Engine]:
-        return [*self.prefill, *self.decode]
+        return list(self.engines)
+
+    @property
+    def prefill(self) -> list[Engine]:
+        """Engines whose duties include prefilling for another engine."""
+        return [e for e in self.engines if "prefill" in e.duties]
+
+    @property
+    def decode(self) -> list[Engine]:
+        """Engines whose duties include decoding (and computing prompts on the local route)."""
+        return [e for e in self.engines if "decode" in e.duties]
+
+    def pairs(self) -> list[tuple[Engine, Engine]]:
+        """Every (prefill-capable, decode-capable) pair of two engines: what warm-up handshakes
+        and link probes cover, so a new assignment finds its pairs ready."""
+        return [(p, d) for p in self.engines if p.can("prefill")
+                for d in self.engines if d.can("decode") and d is not p]
+
+    def assign(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
+        """Give the ``both`` engines new duties: those named in ``prefill`` prefill, those in
+        ``decode`` decode (either, both or neither). Engines of a fixed role keep theirs; naming
+        one for the other duty, or leaving no engine to decode, is a ValueError."""
+        names = {e.name: e for e in self.engines}
+        for name in (*prefill, *decode):
+            if name not in names:
+                raise ValueError(f"no engine named {name!r}")
+        for name in prefill:
+            if not names[name].can("prefill"):
+                raise ValueError(f"{name} ({names[name].role}) cannot prefill for others")
+        for name in decode:
+            if not names[name].can("decode"):
+                raise ValueError(f"{name} ({names[name].role}) cannot decode")
+        new = {e.name: frozenset(d for d, listed in (("prefill", prefill), ("decode", decode))
+                                 if e.name in listed) if e.role == "both" else e.duties
+               for e in self.engines}
+        if not any("decode" in duties for duties in new.values()):
+            raise ValueError("at least one engine must decode")
+        for e in self.engines:
+            e.duties = new[e.name]
 
     def get(self, name: str) -> Engine | None:
         return next((e for e in self.all() if e.name == name), None)
@@ -154,7 +218,7 @@ class EnginePool:
                                                           wanted[e.name].instance)]
         for e in removed:
             self._set_health(e, False)
-            (self.prefill if e.role == "prefill" else self.decode).remove(e)
+            self.engines.remove(e)
         have = {e.name for e in self.all()}
         added = []
         for info in infos:
@@ -162,7 +226,7 @@ class EnginePool:
                 continue
             engine = Engine(info.role, make_client(info.name, info.url),
                             events_endpoint=info.kv_events or None, instance=info.instance)
-            (self.prefill if info.role == "prefill" else self.decode).append(engine)
+            self.engines.append(engine)
             added.append(engine)
         for e in added + removed:
             log.info("engine %s (%s) %s: %s", e.name, e.role,
@@ -184,16 +248,19 @@ class EnginePool:
             await asyncio.sleep(0.1)
         return True
 
-    def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost) -> Engine | None:
-        return self._picked(_cheapest(self.prefill, cost))
+    def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost,
+                     exclude: Engine | None = None) -> Engine | None:
+        """The cheapest engine to prefill for ``exclude`` (the decode engine: never itself)."""
+        return self._picked(
+            _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill"), "prefill")
 
     def pick_decode(self, cost: Callable[[Engine], float] = _no_cost) -> Engine | None:
-        return self._picked(_cheapest(self.decode, cost))
+        return self._picked(_cheapest(self.decode, cost, "decode"), "decode")
 
-    def _picked(self, engine: Engine | None) -> Engine | None:
+    def _picked(self, engine: Engine | None, duty: str) -> Engine | None:
         if engine is not None:
             self._picks += 1
-            engine.last_pick = self._picks
+            engine.last_pick[duty] = self._picks
         return engine
 
     @property
@@ -286,10 +353,11 @@ def engine_load(metrics_text: str) -> int:
     return int(load["vllm:num_requests_running"] + load["vllm:num_requests_waiting"])
 
 
-def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float]) -> Engine | None:
+def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str
+              ) -> Engine | None:
     """Warmed up before warming; then lowest ``cost``; then fewest of this proxy's requests in
     flight; then picked longest ago."""
     usable = [e for e in engines if e.healthy and not e.draining]
     if not usable:
         return None
-    return min(usable, key=lambda e: (e.warming, cost(e), e.inflight, e.last_pick))
+    return min(usable, key=lambda e: (e.warming, cost(e), e.inflight, e.last_pick.get(duty, 0)))

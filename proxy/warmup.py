@@ -26,9 +26,8 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
             return False
         await asyncio.sleep(0.2)
     ok = True
-    for p in list(pool.prefill):
-        for d in list(pool.decode):
-            ok &= await _warm_pair(p.client, d.client, model)
+    for p, d in pool.pairs():
+        ok &= await _warm_pair(p.client, d.client, model)
     log.info("warm-up %s", "done" if ok else "failed")
     return ok
 
@@ -39,10 +38,8 @@ async def warm_up_engine(pool: EnginePool, engine: Engine, model: str) -> bool:
     engine.warming = True
     t0 = time.perf_counter()
     try:
-        if engine.role == "prefill":
-            pairs = [(engine, d) for d in pool.decode if d.healthy]
-        else:
-            pairs = [(p, engine) for p in pool.prefill if p.healthy]
+        pairs = [(p, d) for p, d in pool.pairs() if engine in (p, d)
+                 and (p if d is engine else d).healthy]
         ok = True
         for p, d in pairs:
             ok &= await _warm_pair(p.client, d.client, model)
@@ -83,15 +80,14 @@ async def reprobe_links(orchestrator, model: str, probe_tokens: tuple[int, ...],
     sent: dict[tuple[str, str], int] = {}
     while True:
         await asyncio.sleep(interval_s)
-        for p in list(pool.prefill):
-            for d in list(pool.decode):
-                key = (p.name, d.name)
-                count = costs.link_samples(*key)
-                if p.healthy and d.healthy and seen.get(key) == count:
-                    n = probe_tokens[sent.get(key, 0) % len(probe_tokens)]
-                    sent[key] = sent.get(key, 0) + 1
-                    await _probe(orchestrator, model, n, "disaggregated", prefill=p, decode=d)
-                seen[key] = costs.link_samples(*key)
+        for p, d in pool.pairs():
+            key = (p.name, d.name)
+            count = costs.link_samples(*key)
+            if p.healthy and d.healthy and seen.get(key) == count:
+                n = probe_tokens[sent.get(key, 0) % len(probe_tokens)]
+                sent[key] = sent.get(key, 0) + 1
+                await _probe(orchestrator, model, n, "disaggregated", prefill=p, decode=d)
+            seen[key] = costs.link_samples(*key)
 
 
 def reprobe_sizes(probe_tokens: tuple[int, ...]) -> tuple[int, ...]:
@@ -136,7 +132,9 @@ async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) 
     """
     for _ in range(2):  # twice: the first round still pays one-off warm-up costs
         for n in probe_tokens:
-            for route in ("local", "disaggregated"):
-                for p in list(orchestrator.pool.prefill):
-                    for d in list(orchestrator.pool.decode):
-                        await _probe(orchestrator, model, n, route, prefill=p, decode=d)
+            for p, d in orchestrator.pool.pairs():
+                for route in ("local", "disaggregated"):
+                    await _probe(orchestrator, model, n, route, prefill=p, decode=d)
+            if not orchestrator.pool.pairs():  # no prefill-capable engine: local only
+                for d in orchestrator.pool.decode:
+                    await _probe(orchestrator, model, n, "local", decode=d)

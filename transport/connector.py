@@ -17,11 +17,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-Role = Literal["prefill", "decode"]
+#: ``both``: an engine that prefills for others on some requests and pulls KV on others (vLLM's
+#: ``kv_both``; its connector decides per request from ``kv_transfer_params``, and vLLM 0.32
+#: logs the role as deprecated for NIXL without refusing it).
+Role = Literal["prefill", "decode", "both"]
 LoadFailurePolicy = Literal["recompute", "fail"]
 EvictionPolicy = Literal["lru", "arc"]
 
-_KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_KV_ROLE: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer",
+                             "both": "kv_both"}
 _MIN_OFFLOAD_TIER_BYTES = 2**20
 
 

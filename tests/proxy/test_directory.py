@@ -298,7 +298,7 @@ async def test_a_decode_that_may_have_read_the_kv_is_retried_without_the_handoff
             dropping = pool.get("decode-0")
             for stream in (False, True):
                 dropping.healthy = True
-                dropping.last_pick = -1  # picked first
+                dropping.last_pick["decode"] = -1  # picked first
                 decode_b.decode_requests.clear()
                 r = await c.post(proxy.url + "/v1/completions",
                                  json=dict(BODY, stream=stream), timeout=30)

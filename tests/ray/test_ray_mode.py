@@ -60,6 +60,23 @@ def test_serves_pd_with_dev_mode_output(ray_stack, golden_outputs):
             assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def test_each_engine_tree_stays_on_its_core_and_sharing_is_reported(ray_stack):
+    """Every process and thread of each engine actor's engine is on the one core it was given
+    (three engines on two cores: the two decode engines share one, and start-up says so)."""
+    from launch.isolation import tree_threads
+    from tests.ray.conftest import engine_pids
+
+    placed = []
+    for pid in engine_pids():
+        threads = tree_threads(pid)
+        assert len(threads) > 20  # the API server, EngineCore and worker and their threads
+        cores = {t.cores for t in threads}
+        assert len(cores) == 1, f"engine {pid} spans {cores}"
+        placed.append(min(next(iter(cores))))
+    assert sorted(placed) == [0, 1, 1]
+    assert "decode-0, decode-1 share core 1" in ray_stack.output()
+
+
 def test_load_spreads_across_both_decodes(ray_stack):
     urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
     before = {name: success_count(u) for name, u in urls.items()}

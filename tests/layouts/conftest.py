@@ -1,0 +1,23 @@
+"""One `pdserve dev --layout aggregated` stack on the tiny model: two engines alike (vLLM's
+``kv_both``), started after tests/e2e stopped its stacks (one set of engines at a time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.stack import DevStack, mark_e2e, serving
+
+
+@pytest.fixture(scope="package")
+def pool_stack(tmp_path_factory) -> DevStack:
+    with serving(
+        "tiny", port=18500, engine_base_port=18600, side_channel_base_port=16600,
+        log_dir=tmp_path_factory.mktemp("pool-stack"), model_name="pdserve-tiny",
+        extra=["--layout", "aggregated", "--kv-events-base-port", "16700", "--kv-cache-gib",
+               "1", "--probe-tokens", "64", "--reprobe-s", "0"],
+    ) as stack:
+        yield stack
+
+
+def pytest_collection_modifyitems(items):
+    mark_e2e(items, "layouts")
