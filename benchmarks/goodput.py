@@ -1,0 +1,421 @@
+"""When does disaggregation pay? Goodput of each way to run two engines, under vLLM's own load
+generator (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``).
+
+One ``pdserve dev --layout pool`` stack per model: two engines that may each prefill or decode
+(vLLM's ``kv_both``). The arms are routings of those same two engines, switched at run time
+(``POST /pd/admin/routing``), so they interleave within a run instead of waiting for restarts:
+
+- ``aggregated``: both engines serve whole requests (least outstanding work, cached prefix);
+- ``disaggregated``: 1P+1D, engine-0 prefills, engine-1 decodes, every request moves its KV;
+- ``threshold``: 1P+1D with the llm-d/Dynamo rule at its best N for the workload (for a
+  workload of one prompt length every N is "always" or "never"; see ``THRESHOLD``);
+- ``auto``: 1P+1D with pdserve's cost model (the arriving request's TTFT);
+- any arm given with ``--extra-arm name=policy[@pool]`` (e.g. the SLO-aware policy).
+
+Workloads: ``prefill_heavy`` (random 1024 in / 32 out), ``decode_heavy`` (random 128 in / 256
+out) and ``mixed`` (half 1024-token prompts with 16-token answers, half 64-token prompts with
+256-token answers: long answers streaming while long prompts arrive), Poisson arrivals.
+
+A request is **good** when its TTFT is within the TTFT target of its prompt length and the
+**p99 of its own gaps between tokens** is within the ITL target (vLLM's ``--goodput`` uses the
+mean TPOT, which hides one long stall inside a long answer: ``is_good``). Targets come from the
+start of each run: single requests on an idle ``aggregated`` deployment give the unloaded TTFT
+(per prompt length) and gap; targets are ``--ttft-factor`` x and ``--itl-factor`` x those.
+
+Rates are set from a measured capacity: a burst of ``--requests`` all at once on
+``aggregated`` gives requests/s; the sweep runs fractions of it (``--rate-fractions``). Each
+point runs every arm once, in a shuffled order, ``--repeats`` times. Reported per arm: SLO
+attainment against request rate, the highest rate with >= 90 % of requests good (interpolated;
+DistServe's figure) for each repeat, and the route mix per rate.
+
+Budget (why the counts are what they are): a point costs ``requests / rate`` seconds per arm;
+with fractions f the sweep costs ``B * sum(1/f)`` per arm and repeat, B = the burst's duration.
+On this box B is ~2-4 s on the tiny model and ~15-40 s on SmolLM2 (~200 prompt tokens/s per
+core), so SmolLM2 gets fewer requests and points (``MODEL_SCALE``). ``--quick``: one workload,
+one model, one repeat.
+
+Run: ``python -m benchmarks.goodput [--quick] [--models tiny,smollm2] [--workloads ...]``.
+Writes ``benchmarks/results/goodput.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    ROOT,
+    DevStack,
+    exit_on_sigterm,
+    log,
+    save_results,
+    wait_ports_free,
+)
+
+GOOD_SHARE = 0.9
+SERVED = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}
+#: requests per point and rate fractions per model (SmolLM2 is ~20x slower here).
+#: 90 % good needs >= 10 requests a point to allow one miss; a point costs requests/rate s.
+MODEL_SCALE = {"tiny": (32, (0.05, 0.15, 0.4, 1.0)), "smollm2": (10, (0.3, 0.6, 1.0))}
+WORKLOADS: dict[str, list[tuple[int, int, float]]] = {
+    # (prompt tokens, answer tokens, share of requests)
+    "prefill_heavy": [(1024, 32, 1.0)],
+    "decode_heavy": [(128, 256, 1.0)],
+    "mixed": [(1024, 16, 0.5), (64, 256, 0.5)],
+}
+#: threshold:N per workload: one prompt length -> any N is "always" (= disaggregated) or
+#: "never" (= all on the decode engine, dominated by aggregated); two lengths -> N between them
+#: (long prompts P/D, short ones local) is the only distinct choice.
+THRESHOLD = {"mixed": 512}
+POOL = ["engine-0", "engine-1"]
+
+
+def arm_routings(workload: str, extra: dict[str, str]) -> dict[str, dict[str, Any]]:
+    split = {"prefill": ["engine-0"], "decode": ["engine-1"]}
+    arms: dict[str, dict[str, Any]] = {
+        "aggregated": {"policy": "local", "prefill": [], "decode": POOL},
+        "disaggregated": {"policy": "disaggregate", **split},
+        "auto": {"policy": "auto", **split},
+    }
+    if workload in THRESHOLD:
+        arms["threshold"] = {"policy": f"threshold:{THRESHOLD[workload]}", **split}
+    for name, spec in extra.items():
+        policy, _, where = spec.partition("@")
+        arms[name] = ({"policy": policy, "prefill": POOL, "decode": POOL} if where == "pool"
+                      else {"policy": policy, **split})
+    return arms
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.goodput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,smollm2")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--requests", type=int, default=None, help="per point (default per model)")
+    p.add_argument("--rate-fractions", default=None, help="of the measured capacity")
+    p.add_argument("--ttft-factor", type=float, default=4.0)
+    p.add_argument("--itl-factor", type=float, default=3.0)
+    p.add_argument("--extra-arm", action="append", default=[],
+                   help="name=policy or name=policy@pool (both engines prefill and decode)")
+    p.add_argument("--quick", action="store_true",
+                   help="one workload (prefill_heavy), the tiny model, one repeat")
+    p.add_argument("--port", type=int, default=28000)
+    p.add_argument("--engine-base-port", type=int, default=28100)
+    p.add_argument("--side-channel-base-port", type=int, default=25600)
+    p.add_argument("--kv-events-base-port", type=int, default=25700)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="goodput")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.workloads, args.repeats = "tiny", "prefill_heavy", 1
+    return args
+
+
+# --- the load generator -----------------------------------------------------------------------
+
+
+def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate: float,
+          seed: int, data_dir: Path, concurrency: int | None = None) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against the proxy; its result with per-request detail."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    mix = WORKLOADS[workload]
+    argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
+            "--model", model, "--tokenizer", tokenizer, "--num-prompts", str(n),
+            "--request-rate", "inf" if math.isinf(rate) else f"{rate:.4f}",
+            "--burstiness", "1.0", "--seed", str(seed), "--temperature", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--save-detailed", "--result-dir", str(data_dir),
+            "--result-filename", f"run-{time.monotonic_ns()}.json", "--disable-tqdm"]
+    if concurrency:
+        argv += ["--max-concurrency", str(concurrency)]
+    if len(mix) == 1:
+        (inp, out, _), = mix
+        argv += ["--dataset-name", "random", "--random-input-len", str(inp),
+                 "--random-output-len", str(out), "--random-range-ratio", "0.0"]
+    else:
+        argv += ["--dataset-name", "custom", "--dataset-path",
+                 str(mixed_dataset(tokenizer, mix, n, seed, data_dir)),
+                 "--custom-output-len", "-1", "--skip-chat-template", "--ignore-eos"]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    return bench_main(args)
+
+
+def mixed_dataset(tokenizer: str, mix, n: int, seed: int, data_dir: Path) -> Path:
+    """A jsonl of ``n`` prompts in the workload's shares (text of about the given token
+    length, random words so no two share a prefix)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    rng = random.Random(seed)
+    words = "river stone lantern orbit meadow copper signal harbor velvet thunder".split()
+    rows = []
+    for inp, out, share in mix:
+        for _ in range(round(n * share)):
+            ids = tok.encode(" ".join(rng.choice(words) for _ in range(inp)),
+                             add_special_tokens=False)[:inp - 1]
+            rows.append({"prompt": tok.decode(ids), "output_tokens": out})
+    rng.shuffle(rows)
+    path = data_dir / f"mixed-{seed}-{n}.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+# --- goodness ---------------------------------------------------------------------------------
+
+
+def p99(values: list[float]) -> float:
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)] if xs else 0.0
+
+
+def request_class(input_len: int, mix) -> int:
+    """The workload prompt length this request stands for (its nearest)."""
+    return min((inp for inp, _, _ in mix), key=lambda inp: abs(inp - input_len))
+
+
+def is_good(ttft_s: float, itls_s: list[float], ttft_target_s: float, itl_target_s: float
+            ) -> bool:
+    """Within the TTFT target, and the p99 of its own gaps within the ITL target: a request
+    whose mean gap is fine but which stalled once for longer than the target is not good."""
+    return 0 < ttft_s <= ttft_target_s and p99(itls_s) <= itl_target_s
+
+
+def attainment(result: dict[str, Any], targets: dict[str, Any], mix) -> dict[str, Any]:
+    good = failed = 0
+    n = len(result.get("ttfts", []))
+    for ttft, itls, inp, err in zip(result["ttfts"], result["itls"], result["input_lens"],
+                                    result["errors"]):
+        if err or not ttft:
+            failed += 1
+            continue
+        cls = str(request_class(inp, mix))
+        good += is_good(ttft, itls, targets["ttft_s"][cls], targets["itl_s"])
+    return {"requests": n, "good": good, "failed": failed,
+            "attainment": good / n if n else 0.0}
+
+
+def highest_good_rate(points: list[tuple[float, float]]) -> float | None:
+    """The highest rate at which >= 90 % of requests were good, interpolated between the
+    measured points (sorted by rate); None when even the lowest rate missed."""
+    points = sorted(points)
+    if not points or points[0][1] < GOOD_SHARE:
+        return None
+    best = points[0][0]
+    for (r0, a0), (r1, a1) in zip(points, points[1:]):
+        if a1 >= GOOD_SHARE:
+            best = r1
+            continue
+        if a0 >= GOOD_SHARE:  # crosses between r0 and r1
+            best = r0 + (r1 - r0) * (a0 - GOOD_SHARE) / (a0 - a1)
+        break
+    return best
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def set_routing(proxy: str, routing: dict[str, Any]) -> None:
+    req = urllib.request.Request(proxy + "/pd/admin/routing", method="POST",
+                                 data=json.dumps(routing).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+
+
+def proxy_metrics(proxy: str) -> dict[str, float]:
+    with urllib.request.urlopen(proxy + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pd_requests_total{"):
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            out[route] = out.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def wait_idle(proxy: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(proxy + "/pd/costs", timeout=30) as r:
+            engines = json.loads(r.read())["engines"].values()
+        if all(e["engine_requests"] == 0 and e["inflight"] == 0 for e in engines):
+            return
+        time.sleep(0.5)
+
+
+def run_model(args: argparse.Namespace, model: str, workloads: list[str],
+              extra: dict[str, str], data_dir: Path) -> dict[str, Any]:
+    from launch.models import ensure_model
+
+    tokenizer = str(ensure_model(model))
+    served = SERVED[model]
+    n_default, fractions_default = MODEL_SCALE[model]
+    n = args.requests or n_default
+    fractions = (tuple(float(x) for x in args.rate_fractions.split(","))
+                 if args.rate_fractions else fractions_default)
+    import asyncio
+
+    asyncio.run(wait_ports_free([args.port, args.engine_base_port, args.engine_base_port + 1]))
+    log(f"{model}: starting pdserve dev --layout pool ...")
+    stack = DevStack.start(
+        log_dir=ROOT / ".pdserve" / f"bench-goodput-{model}", port=args.port,
+        engine_base_port=args.engine_base_port,
+        side_channel_base_port=args.side_channel_base_port,
+        kv_events_base_port=args.kv_events_base_port, model=model, policy="auto",
+        extra_args=["--layout", "pool", "--kv-cache-gib", "2"])
+    proxy = stack.proxy_url
+    out: dict[str, Any] = {"startup_s": stack.startup_s, "workloads": {}}
+    try:
+        for workload in workloads:
+            mix = WORKLOADS[workload]
+            arms = arm_routings(workload, extra)
+            rng = random.Random(args.seed)
+            # Unloaded figures: one request at a time on an idle aggregated deployment.
+            set_routing(proxy, arms["aggregated"])
+            wait_idle(proxy)
+            single = bench(proxy, served, tokenizer, workload, 4 * len(mix), math.inf,
+                           args.seed + 1, data_dir, concurrency=1)
+            by_class: dict[str, list[float]] = {}
+            gaps = []
+            for ttft, itls, inp in zip(single["ttfts"], single["itls"], single["input_lens"]):
+                by_class.setdefault(str(request_class(inp, mix)), []).append(ttft)
+                if itls:
+                    gaps.append(statistics.median(itls))
+            unloaded = {"ttft_s": {c: statistics.median(v) for c, v in by_class.items()},
+                        "itl_s": statistics.median(gaps)}
+            targets = {"ttft_s": {c: args.ttft_factor * v
+                                  for c, v in unloaded["ttft_s"].items()},
+                       "itl_s": args.itl_factor * unloaded["itl_s"]}
+            # Capacity: a burst on aggregated.
+            wait_idle(proxy)
+            burst = bench(proxy, served, tokenizer, workload, n, math.inf, args.seed + 2,
+                          data_dir)
+            capacity = burst["completed"] / burst["duration"]
+            rates = [round(f * capacity, 4) for f in fractions]
+            log(f"{model}/{workload}: unloaded TTFT {unloaded['ttft_s']} s, gap "
+                f"{unloaded['itl_s'] * 1e3:.1f} ms -> targets {targets}; capacity "
+                f"{capacity:.3f} req/s -> rates {rates}")
+            points: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+            for repeat in range(args.repeats):
+                for i, rate in enumerate(rates):
+                    order = list(arms)
+                    rng.shuffle(order)
+                    for arm in order:
+                        set_routing(proxy, arms[arm])
+                        wait_idle(proxy)
+                        before = proxy_metrics(proxy)
+                        seed = args.seed + 100 * repeat + i  # same prompts for every arm
+                        result = bench(proxy, served, tokenizer, workload, n, rate, seed,
+                                       data_dir)
+                        after = proxy_metrics(proxy)
+                        score = attainment(result, targets, mix)
+                        routes = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                        points[arm].append({"repeat": repeat, "rate": rate, **score,
+                                            "routes": routes,
+                                            "ttfts": result["ttfts"], "itls": result["itls"],
+                                            "input_lens": result["input_lens"],
+                                            "duration_s": result["duration"]})
+                        log(f"{model}/{workload} r{repeat} {rate:.3f} req/s {arm:13s}: "
+                            f"{score['good']}/{score['requests']} good, {score['failed']} "
+                            f"failed, routes {routes}")
+            summary = {}
+            for arm, pts in points.items():
+                per_repeat = [highest_good_rate([(p["rate"], p["attainment"]) for p in pts
+                                                 if p["repeat"] == r])
+                              for r in range(args.repeats)]
+                summary[arm] = {"highest_good_rate": per_repeat,
+                                "failed": sum(p["failed"] for p in pts)}
+            out["workloads"][workload] = {"unloaded": unloaded, "targets": targets,
+                                          "capacity_req_s": capacity, "rates": rates,
+                                          "arms": {a: arms[a] for a in arms},
+                                          "points": points, "summary": summary}
+            report(model, workload, summary)
+        return out
+    finally:
+        stack.stop()
+
+
+def report(model: str, workload: str, summary: dict[str, Any]) -> None:
+    base = summary["aggregated"]["highest_good_rate"]
+    base_mean = _mean(base)
+    for arm, s in summary.items():
+        rates = s["highest_good_rate"]
+        mean = _mean(rates)
+        spread = (max(r or 0 for r in rates) - min(r or 0 for r in rates)) if rates else 0
+        ratio = (mean / base_mean) if mean is not None and base_mean else None
+        log(f"  {model}/{workload} {arm:13s}: highest rate with >= 90 % good "
+            f"{_fmt(rates)} req/s (spread {spread:.3f}); x{ratio:.2f} of aggregated"
+            if ratio is not None else
+            f"  {model}/{workload} {arm:13s}: highest rate with >= 90 % good {_fmt(rates)}")
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x if x is not None else 0.0 for x in xs]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _fmt(xs: list[float | None]) -> str:
+    return "/".join("none" if x is None else f"{x:.3f}" for x in xs)
+
+
+def plot(results: dict[str, Any]):
+    def draw(fig) -> None:
+        cells = [(m, w) for m, r in results["models"].items() for w in r["workloads"]]
+        cols = min(3, len(cells)) or 1
+        rows = math.ceil(len(cells) / cols) or 1
+        for k, (model, workload) in enumerate(cells):
+            ax = fig.add_subplot(rows, cols, k + 1)
+            wl = results["models"][model]["workloads"][workload]
+            for arm, pts in wl["points"].items():
+                by_rate: dict[float, list[float]] = {}
+                for p in pts:
+                    by_rate.setdefault(p["rate"], []).append(p["attainment"])
+                xs = sorted(by_rate)
+                ax.errorbar(xs, [statistics.mean(by_rate[x]) for x in xs],
+                            yerr=[(max(by_rate[x]) - min(by_rate[x])) / 2 for x in xs],
+                            marker="o", capsize=3, label=arm)
+            ax.axhline(GOOD_SHARE, color="grey", linestyle=":")
+            ax.set_ylim(-0.05, 1.05)
+            ax.set_title(f"{model} / {workload}")
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel("SLO attainment")
+            ax.legend(fontsize=8)
+    return draw
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+    extra = dict(x.split("=", 1) for x in args.extra_arm)
+    results: dict[str, Any] = {"config": vars(args), "models": {}}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pdserve-goodput-") as tmp:
+        for model in args.models.split(","):
+            results["models"][model] = run_model(args, model, args.workloads.split(","),
+                                                 extra, Path(tmp))
+    results["run_s"] = time.monotonic() - t0
+    json_path, png_path = save_results(args.name, results, plot(results))
+    log(f"done in {results['run_s'] / 60:.1f} min; wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
