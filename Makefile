@@ -5,7 +5,7 @@ EXTRAS ?= cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup dev test bench clean
+.PHONY: setup dev test lint bench clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 dev: setup
 	$(VENV)/bin/pdserve dev
 
-test: setup
+# Lint and type-check the product packages, then the whole suite.
+test: setup lint
 	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check proxy transport launch prefill decode
+	$(VENV)/bin/mypy proxy transport launch prefill decode
 
 bench: setup
 	$(PY) -m benchmarks.ttft_breakdown

@@ -32,6 +32,8 @@ from typing import Any
 
 import aiohttp
 
+from transport.engine_metrics import sample_sums
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TINY_SERVED_NAME = "pdserve-tiny"
@@ -317,21 +319,8 @@ async def timed_post(
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Series name -> value summed over label sets (``name{...} v`` lines, comments skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name_end = line.find("{")
-        if name_end < 0:
-            name_end = line.find(" ")
-        name = line[:name_end]
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[name] = out.get(name, 0.0) + value
-    return out
+    """Series name -> value summed over label sets (``transport.engine_metrics``)."""
+    return sample_sums(text)
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:

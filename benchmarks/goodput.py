@@ -9,8 +9,13 @@ One ``pdserve dev --layout pool`` stack per model: two engines that may each pre
 - ``disaggregated``: 1P+1D, engine-0 prefills, engine-1 decodes, every request moves its KV;
 - ``threshold``: 1P+1D with the llm-d/Dynamo rule at its best N for the workload (for a
   workload of one prompt length every N is "always" or "never"; see ``THRESHOLD``);
-- ``auto``: 1P+1D with pdserve's cost model (the arriving request's TTFT);
-- any arm given with ``--extra-arm name=policy[@pool]`` (e.g. the SLO-aware policy).
+- ``auto``: 1P+1D with pdserve's cost model, the arriving request's TTFT alone;
+- ``slo``: 1P+1D with ``auto`` given the run's targets (each request carries them as its
+  ``slo``; for the mixed workload only the ITL target, its TTFT targets differing per prompt
+  length): it also weighs the stall a local prefill puts on the streams decoding there;
+- ``slo_pool``: the same rule on the pool, where both engines prefill and decode and the
+  policy picks the pair per request;
+- any arm given with ``--extra-arm name=policy[@pool]``.
 
 Workloads: ``prefill_heavy`` (random 1024 in / 32 out), ``decode_heavy`` (random 128 in / 256
 out) and ``mixed`` (half 1024-token prompts with 16-token answers, half 64-token prompts with
@@ -20,7 +25,9 @@ A request is **good** when its TTFT is within the TTFT target of its prompt leng
 **p99 of its own gaps between tokens** is within the ITL target (vLLM's ``--goodput`` uses the
 mean TPOT, which hides one long stall inside a long answer: ``is_good``). Targets come from the
 start of each run: single requests on an idle ``aggregated`` deployment give the unloaded TTFT
-(per prompt length) and gap; targets are ``--ttft-factor`` x and ``--itl-factor`` x those.
+(median, per prompt length) and the unloaded p99 gap (the median over those requests of each
+one's own p99: the same statistic goodness judges, so the box's own scheduling noise is in
+it); targets are ``--ttft-factor`` x and ``--itl-factor`` x those.
 
 Rates are set from a measured capacity: a burst of ``--requests`` all at once on
 ``aggregated`` gives requests/s; the sweep runs fractions of it (``--rate-fractions``). Each
@@ -80,12 +87,18 @@ THRESHOLD = {"mixed": 512}
 POOL = ["engine-0", "engine-1"]
 
 
+#: Arms whose requests carry the run's targets as their own ``slo`` (the others carry none).
+WITH_TARGETS = {"slo", "slo_pool"}
+
+
 def arm_routings(workload: str, extra: dict[str, str]) -> dict[str, dict[str, Any]]:
     split = {"prefill": ["engine-0"], "decode": ["engine-1"]}
     arms: dict[str, dict[str, Any]] = {
         "aggregated": {"policy": "local", "prefill": [], "decode": POOL},
         "disaggregated": {"policy": "disaggregate", **split},
         "auto": {"policy": "auto", **split},
+        "slo": {"policy": "auto", **split},
+        "slo_pool": {"policy": "auto", "prefill": POOL, "decode": POOL},
     }
     if workload in THRESHOLD:
         arms["threshold"] = {"policy": f"threshold:{THRESHOLD[workload]}", **split}
@@ -126,7 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate: float,
-          seed: int, data_dir: Path, concurrency: int | None = None) -> dict[str, Any]:
+          seed: int, data_dir: Path, concurrency: int | None = None,
+          slo: dict[str, float] | None = None) -> dict[str, Any]:
     """One ``vllm bench serve`` run against the proxy; its result with per-request detail."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
@@ -142,6 +156,8 @@ def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate
             "--result-filename", f"run-{time.monotonic_ns()}.json", "--disable-tqdm"]
     if concurrency:
         argv += ["--max-concurrency", str(concurrency)]
+    if slo:
+        argv += ["--extra-body", json.dumps({"slo": slo})]
     if len(mix) == 1:
         (inp, out, _), = mix
         argv += ["--dataset-name", "random", "--random-input-len", str(inp),
@@ -296,7 +312,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
             for ttft, itls, inp in zip(single["ttfts"], single["itls"], single["input_lens"]):
                 by_class.setdefault(str(request_class(inp, mix)), []).append(ttft)
                 if itls:
-                    gaps.append(statistics.median(itls))
+                    gaps.append(p99(itls))
             unloaded = {"ttft_s": {c: statistics.median(v) for c, v in by_class.items()},
                         "itl_s": statistics.median(gaps)}
             targets = {"ttft_s": {c: args.ttft_factor * v
@@ -308,7 +324,13 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                           data_dir)
             capacity = burst["completed"] / burst["duration"]
             rates = [round(f * capacity, 4) for f in fractions]
-            log(f"{model}/{workload}: unloaded TTFT {unloaded['ttft_s']} s, gap "
+            # The targets the SLO-aware arms are given (the load generator sends one body for
+            # all): both for a workload of one prompt length; for a mix, the ITL target only
+            # (its TTFT targets differ per prompt length).
+            slo = {"itl_ms": 1e3 * targets["itl_s"]}
+            if len(mix) == 1:
+                slo["ttft_ms"] = 1e3 * next(iter(targets["ttft_s"].values()))
+            log(f"{model}/{workload}: unloaded TTFT {unloaded['ttft_s']} s, p99 gap "
                 f"{unloaded['itl_s'] * 1e3:.1f} ms -> targets {targets}; capacity "
                 f"{capacity:.3f} req/s -> rates {rates}")
             points: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
@@ -322,7 +344,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                         before = proxy_metrics(proxy)
                         seed = args.seed + 100 * repeat + i  # same prompts for every arm
                         result = bench(proxy, served, tokenizer, workload, n, rate, seed,
-                                       data_dir)
+                                       data_dir, slo=slo if arm in WITH_TARGETS else None)
                         after = proxy_metrics(proxy)
                         score = attainment(result, targets, mix)
                         routes = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -342,6 +364,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                 summary[arm] = {"highest_good_rate": per_repeat,
                                 "failed": sum(p["failed"] for p in pts)}
             out["workloads"][workload] = {"unloaded": unloaded, "targets": targets,
+                                          "slo_sent": slo,
                                           "capacity_req_s": capacity, "rates": rates,
                                           "arms": {a: arms[a] for a in arms},
                                           "points": points, "summary": summary}

@@ -1,1 +1,3 @@
-"""Processes and places: the CLI, the dev mode, the Ray mode, model preparation. No request logic."""
+"""Processes and places: the CLI, the dev mode, the Ray mode, model preparation.
+
+No request logic."""

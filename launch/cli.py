@@ -25,6 +25,15 @@ def _add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="cap each engine's KV cache at this many blocks (tests, benchmarks)")
 
 
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token target: with a target set, the auto policy "
+                        "also weighs the streams decoding on an engine (a request's own "
+                        "'slo' overrides)")
+    p.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="target for the longest gap between two tokens of a stream")
+
+
 def _tier_options(args: argparse.Namespace) -> dict:
     return dict(offload_gib=args.offload_gib, offload_eviction=args.offload_eviction,
                 offload_store_threshold=args.offload_store_threshold, kv_blocks=args.kv_blocks,
@@ -44,6 +53,7 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--side-channel-base-port", type=int, default=5600)
     p.add_argument("--policy", default="auto",
                    help="auto (live cost model) | disaggregate | local | threshold:N")
+    _add_slo_args(p)
     p.add_argument("--layout", choices=("disaggregated", "aggregated", "pool"),
                    default="disaggregated",
                    help="disaggregated: a prefill + a decode engine; aggregated: two engines "
@@ -107,6 +117,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="auto")
+    _add_slo_args(p)
     p.add_argument("--probe-tokens", default="64,256,1024")
     p.add_argument("--reprobe-s", type=float, default=30.0)
     p.add_argument("--kv-cache-gib", type=int, default=2,
@@ -151,7 +162,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout_s,
         prefill_deadline_s=args.prefill_deadline_s,
         first_byte_deadline_s=args.first_byte_deadline_s, max_inflight=args.max_inflight,
-        max_queued=args.max_queued,
+        max_queued=args.max_queued, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
     ))
 
 
@@ -256,6 +267,8 @@ def _run_dev(args: argparse.Namespace) -> int:
         engine_dev_endpoints=args.engine_dev_endpoints,
         restart_engines=not args.no_restart,
         layout=args.layout,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
     )
     return run_dev(opts)
 

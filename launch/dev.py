@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.engines import EngineSpec, default_dtype, detect_device
 from launch.isolation import guard
 from launch.processes import (
@@ -73,6 +74,9 @@ class DevOptions:
     #: policy picks, per request, local on one or prefill on the other. Aggregated and pool
     #: are the same engines; ``POST /pd/admin/routing`` switches between them at run time.
     layout: str = "disaggregated"
+    #: Latency targets (ms) the ``auto`` policy protects (None: TTFT alone).
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
 
 def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
@@ -221,6 +225,9 @@ def run_dev(opts: DevOptions) -> int:
             decode_kv_events=() if pooled else events[1:],
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
             max_model_len=opts.max_model_len,
+            slo_ttft_ms=opts.slo_ttft_ms,
+            slo_itl_ms=opts.slo_itl_ms,
+            decode_chunk_tokens=DECODE_CHUNK_TOKENS,
         )
         url = f"http://{opts.host}:{opts.port}"
         auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.api_key else ""

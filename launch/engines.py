@@ -30,7 +30,8 @@ class EngineSpec:
     device: Device = "cpu"
     #: CPU: the cores this engine's OpenMP threads bind to ("0", "1", "0-3"); None = vLLM's choice.
     cpu_cores: str | None = None
-    #: CPU: KV cache size in whole GiB (vLLM reads an int). GPU: share of device memory (two engines share one GPU in dev).
+    #: CPU: KV cache size in whole GiB (vLLM reads an int). GPU: share of device memory (two
+    #: engines share one GPU in dev).
     kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.4
     dtype: str = "auto"

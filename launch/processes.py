@@ -44,7 +44,8 @@ def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") 
     if busy:
         raise PortBusy(
             "port(s) already in use: " + ", ".join(busy)
-            + ". Is another pdserve running? Stop it or pick other ports (--port, --engine-base-port)."
+            + ". Is another pdserve running? Stop it or pick other ports (--port, "
+            "--engine-base-port)."
         )
 
 
@@ -130,7 +131,8 @@ def wait_ready(
     timeout_s: float,
     on_progress: Callable[[float, list[EngineProcess]], None] | None = None,
 ) -> None:
-    """Block until every engine answers /health; raise EngineFailed if one exits or time runs out."""
+    """Block until every engine answers /health; raise EngineFailed if one exits or time runs
+    out."""
     t0 = time.monotonic()
     pending = list(engines)
     while pending:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.isolation import parse_cores, sharing
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
@@ -71,6 +72,8 @@ class RayOptions:
     first_byte_deadline_s: float = 120.0
     max_inflight: int = 256
     max_queued: int = 256
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
 
 def actor_resources(accelerator: str) -> dict[str, Any]:
@@ -270,6 +273,9 @@ def run_ray(opts: RayOptions) -> int:
             max_queued=opts.max_queued,
             tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,
             max_model_len=opts.template.max_model_len,
+            slo_ttft_ms=opts.slo_ttft_ms,
+            slo_itl_ms=opts.slo_itl_ms,
+            decode_chunk_tokens=DECODE_CHUNK_TOKENS,
         )
         url = f"http://{opts.host}:{opts.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "

@@ -39,6 +39,13 @@ class ProxyConfig(BaseModel):
     #: tokenized. None: every prompt goes to the engines' own check.
     max_model_len: int | None = Field(default=None, gt=0)
     policy: str = "auto"
+    #: Latency targets (ms) for every request (a request's own ``slo`` overrides them): with
+    #: any set, ``auto`` protects the streams decoding on an engine from a local prefill that
+    #: would break them (``proxy/policy.py``). None: ``auto`` minimises TTFT alone.
+    slo_ttft_ms: float | None = Field(default=None, gt=0)
+    slo_itl_ms: float | None = Field(default=None, gt=0)
+    #: The decode engines' prefill chunk (their ``--max-num-batched-tokens``).
+    decode_chunk_tokens: int = Field(default=2048, gt=0)
     #: KV bytes one prompt token moves over the link (``transport.kv_size``); needed by ``auto``.
     kv_bytes_per_token: int | None = Field(default=None, gt=0)
     #: Prompt lengths (tokens, approximate) of the start-up probes that seed the cost model,

@@ -1,36 +1,48 @@
 """The proxy's live cost state: one prefill fit per engine (remote and local prefill), one link
-fit per prefill->decode pair, queued prompt work per engine, and the tokens-per-char ratio.
+fit per prefill->decode pair, and the tokens-per-char ratio; the work queued on each engine is
+the ledger's (``proxy/ledger.py``), read here.
 
-Call order per request: ``inputs()`` (snapshot for the pure decision) → ``begin_*`` when work is
-dispatched → ``end_*`` in a ``finally`` → ``observe_*`` with what was measured. Only samples taken
-while the engine had no other prompt work in flight are used to fit (queueing would bias them);
-queueing itself is predicted from the queued tokens.
+Call order per request: ``inputs()`` (snapshot for the pure decision) → work is claimed in the
+ledger → ``observe_*`` with what was measured. Only samples taken while the engine had no other
+prompt work in flight are used to fit (queueing would bias them); queueing itself is predicted
+from the queued tokens.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from proxy.estimators import LinkFit, PrefillFit, TokenRatio
+from proxy.estimators import LinkFit, PrefillFit, StepFit, TokenRatio
+from proxy.ledger import Ledger
 from proxy.policy import CostInputs
-from transport.cost import LinkModel, PrefillModel
+from proxy.step_tracker import Arrival, StepTracker
+from transport.cost import LinkModel, PrefillModel, StepModel
 
 #: Priors until start-up probes and traffic replace them (CPU-class engine, loopback link).
 PREFILL_PRIOR = PrefillModel(fixed_s=0.02, tokens_per_s=2000.0)
 LINK_PRIOR = LinkModel(fixed_s=0.03, bytes_per_s=100e6)
+#: A decode step until an engine's own are measured: a few ms, plus its prompt chunk at the
+#: engine's fitted local prefill cost (filled in from that fit, ``step_model``).
+STEP_FIXED_PRIOR_S = 0.005
+STEP_STREAM_PRIOR_S = 0.0005
 
 
 class RouteCosts:
-    def __init__(self, kv_bytes_per_token: int):
+    def __init__(self, kv_bytes_per_token: int, ledger: Ledger | None = None,
+                 chunk_tokens: int = 2048, on_arrival: Arrival | None = None):
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.ledger = ledger or Ledger()
+        #: The decode engines' prefill chunk (vLLM's max_num_batched_tokens there).
+        self.chunk_tokens = chunk_tokens
+        self._steps: dict[str, StepFit] = defaultdict(StepFit)
+        self._trackers: dict[str, StepTracker] = {}
+        self._on_arrival = on_arrival
         self.token_ratio = TokenRatio()
         self._remote: dict[str, PrefillFit] = defaultdict(lambda: PrefillFit(PREFILL_PRIOR))
         self._local: dict[str, PrefillFit] = defaultdict(lambda: PrefillFit(PREFILL_PRIOR))
         self._links: dict[tuple[str, str], LinkFit] = defaultdict(
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
-        self._queued_tokens: dict[str, int] = defaultdict(int)
-        self._output_tokens: dict[str, int] = defaultdict(int)
         #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
         self.typical_prompt_tokens = 512
 
@@ -42,49 +54,53 @@ class RouteCosts:
         running or waiting beyond this proxy's own (other clients, other proxies); each is
         costed as a prompt of the engine's recent mean size (or the typical size seen here)."""
         local = self._local[decode].model()
+        step = self.step_model(decode)
         typical = self.typical_prompt_tokens
-        decode_queue_s = local.seconds(self._queued_tokens[decode]) + (
+        decode_queue_s = local.seconds(self.queued_tokens(decode)) + (
             decode_foreign_requests * local.seconds(typical)
         )
         foreign_size = int(prefill_mean_prompt_tokens or typical)
         if prefill is None:
             return CostInputs(self.kv_bytes_per_token, PREFILL_PRIOR, local, LINK_PRIOR,
-                              decode_queue_s=decode_queue_s)
+                              decode_queue_s=decode_queue_s, decode_step=step,
+                              chunk_tokens=self.chunk_tokens)
         remote = self._remote[prefill].model()
         return CostInputs(
             kv_bytes_per_token=self.kv_bytes_per_token,
             remote_prefill=remote,
             local_prefill=local,
             link=self._links[(prefill, decode)].model(),
-            prefill_queue_s=remote.seconds(self._queued_tokens[prefill])
+            prefill_queue_s=remote.seconds(self.queued_tokens(prefill))
             + prefill_foreign_requests * remote.seconds(foreign_size),
             decode_queue_s=decode_queue_s,
+            decode_step=step,
+            chunk_tokens=self.chunk_tokens,
         )
 
     def link_samples(self, prefill: str, decode: str) -> int:
         """How many hand-overs this pair has measured so far (grows with every one)."""
         return self._links[(prefill, decode)].last_observed_index
 
-    # -- queued work ---------------------------------------------------------------------------
+    # -- decode steps --------------------------------------------------------------------------
+    def tracker(self, engine: str) -> StepTracker:
+        """What ``engine``'s relayed streams say about its steps (created on first use)."""
+        if engine not in self._trackers:
+            self._trackers[engine] = StepTracker(self._steps[engine].observe, self._on_arrival)
+        return self._trackers[engine]
+
+    def step_model(self, engine: str) -> StepModel:
+        """``engine``'s fitted step time; until a term is measured, its prior: a chunk's prompt
+        tokens at the engine's own local prefill cost for a chunk (fixed and quadratic terms
+        included: what one chunk-sized step really takes)."""
+        local = self._local[engine].model()
+        prior = StepModel(fixed_s=STEP_FIXED_PRIOR_S,
+                          prefill_s=local.seconds(self.chunk_tokens) / self.chunk_tokens,
+                          stream_s=STEP_STREAM_PRIOR_S)
+        return self._steps[engine].model(prior)
+
+    # -- queued work (the ledger's) -------------------------------------------------------------
     def queued_tokens(self, engine: str) -> int:
-        return self._queued_tokens[engine]
-
-    def begin(self, engine: str, tokens: int) -> bool:
-        """Count ``tokens`` of prompt work on ``engine``; True when it had none queued before."""
-        idle = self._queued_tokens[engine] == 0
-        self._queued_tokens[engine] += tokens
-        return idle
-
-    def end(self, engine: str, tokens: int) -> None:
-        self._queued_tokens[engine] = max(0, self._queued_tokens[engine] - tokens)
-
-    def begin_output(self, engine: str, tokens: int) -> None:
-        """Count the output budget (tokens still to generate) of a request decoding on
-        ``engine``: routing load only, it does not delay another request's first token."""
-        self._output_tokens[engine] += tokens
-
-    def end_output(self, engine: str, tokens: int) -> None:
-        self._output_tokens[engine] = max(0, self._output_tokens[engine] - tokens)
+        return self.ledger.load(engine).prompt_tokens
 
     def load_tokens(self, engine: str, foreign_requests: int = 0,
                     mean_prompt_tokens: float | None = None) -> float:
@@ -93,8 +109,8 @@ class RouteCosts:
         exact and current), plus the requests other clients have running or waiting on it
         (queue depth from the engine's metrics), each at the engine's recent mean prompt size."""
         size = mean_prompt_tokens or self.typical_prompt_tokens
-        return (self._queued_tokens[engine] + self._output_tokens[engine]
-                + foreign_requests * size)
+        load = self.ledger.load(engine)
+        return load.prompt_tokens + load.output_tokens + foreign_requests * size
 
     # -- measurements --------------------------------------------------------------------------
     def observe_remote_prefill(self, engine: str, new_tokens: int, seconds: float) -> None:
@@ -121,6 +137,9 @@ class RouteCosts:
                               for k, v in self._local.items()},
             "links": {f"{p}->{d}": vars(v.model()) | {"samples": v.n_samples}
                       for (p, d), v in self._links.items()},
-            "queued_tokens": dict(self._queued_tokens),
-            "output_tokens": dict(self._output_tokens),
+            "decode_steps": {e: vars(self.step_model(e)) | {"samples": f.n_samples,
+                                                             "chunk_tokens": self.chunk_tokens}
+                             for e, f in self._steps.items()},
+            "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
+            "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},
         }

@@ -137,7 +137,8 @@ class EngineClient:
                 response = await self._pool.request("POST", self._prefix + path, _dumps(body),
                                                     headers)
         except TimeoutError as exc:
-            raise EngineTimeout(f"{self.name} did not start answering in {first_byte_s:g}s") from exc
+            raise EngineTimeout(
+                f"{self.name} did not start answering in {first_byte_s:g}s") from exc
         except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
         return EngineStream(self.name, response, idle_s)

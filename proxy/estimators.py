@@ -8,6 +8,8 @@
 Both weight recent samples more (a half-life in samples; links change fastest), so a link that
 slows down is followed within a few hand-overs.
 - :class:`TokenRatio` — prompt tokens per character (to size a prompt before tokenizing it).
+- :class:`StepFit` — one decode engine's step time from the gaps between tokens the proxy relays
+  (``fixed + prefill tokens + streams + KV pulled``, see ``transport.cost.StepModel``).
 
 Estimators are plain objects fed by ``observe``; they read no clock. Until enough samples exist
 they answer with the prior they were built with (start-up probes replace priors quickly).
@@ -20,7 +22,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from transport.cost import LinkModel, PrefillModel
+from transport.cost import LinkModel, PrefillModel, StepModel
 
 M = TypeVar("M", PrefillModel, LinkModel)
 
@@ -51,7 +53,7 @@ class _WindowFit(Generic[M]):
     prior until ``min_samples`` samples of at least two sizes exist."""
 
     def __init__(self, prior: M, window: int, min_samples: int, half_life: float):
-        self._model = prior
+        self._model: M = prior
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self._min_samples = min_samples
         self._half_life = half_life
@@ -106,6 +108,10 @@ class LinkFit(_WindowFit[LinkModel]):
 
     CHANGE_FACTOR = 2.0
     CHANGE_RUN = 2
+    #: Hand-overs of fewer tokens are all fixed cost (the decode request, its first step):
+    #: they say nothing of the bandwidth, and one of them once rescaled a link to 350 KB/s
+    #: (3 tokens in 50 ms), which then priced a 1,300-token hand-over at 16 s.
+    MIN_TOKENS = 64
 
     def __init__(self, prior: LinkModel, kv_bytes_per_token: int, window: int = 32,
                  min_samples: int = 3, half_life: float = 4.0):
@@ -114,7 +120,7 @@ class LinkFit(_WindowFit[LinkModel]):
         self._run = 0  # consecutive surprises in the same direction (sign = direction)
 
     def observe(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens <= 0 or seconds <= 0:
+        if n_tokens < self.MIN_TOKENS or seconds <= 0:
             return
         changed = False
         if self.n_samples >= self._min_samples:
@@ -157,3 +163,71 @@ class TokenRatio:
 
     def tokens(self, chars: int) -> int:
         return int(round(chars * self.value))
+
+
+class StepFit:
+    """Seconds per decode step on one engine, ``StepModel``: least squares (non-negative,
+    recency-weighted) over the recent (prefill tokens, streams, KV tokens, seconds) samples of
+    ``proxy/step_tracker.py``. A term whose input never varied in the window (no local prefill
+    seen yet, say) keeps the prior's coefficient: it cannot be told apart from the fixed cost.
+    Samples whose residual is far off the first fit (a step stalled by something else) are
+    dropped and the rest refitted once. Refits every ``refit_every`` samples.
+
+    A term counts as seen only when its input spanned ``MIN_SPAN`` in the window: the few prompt
+    tokens of streams starting beside each other say nothing about a 1,500-token prefill, and a
+    coefficient fitted from them would be extrapolated a hundredfold."""
+
+    #: Least range of (prefill tokens, streams, KV tokens) for a term's coefficient to be used.
+    MIN_SPAN = (128.0, 2.0, 128.0)
+
+    def __init__(self, window: int = 256, min_samples: int = 8, half_life: float = 64.0,
+                 refit_every: int = 8):
+        self._samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._min = min_samples
+        self._half_life = half_life
+        self._every = refit_every
+        self._fitted: tuple[np.ndarray, tuple[bool, ...]] | None = None
+        self._since_fit = 0
+
+    @property
+    def n_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, prefill_tokens: float, streams: float, kv_tokens: float,
+                seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self._samples.append((float(prefill_tokens), float(streams), float(kv_tokens),
+                              float(seconds)))
+        self._since_fit += 1
+        if self._fitted is None or self._since_fit >= self._every:
+            self._refit()
+
+    def model(self, prior: StepModel) -> StepModel:
+        """The fitted model, with ``prior``'s coefficient for every term not seen varying (the
+        whole prior until ``min_samples`` samples)."""
+        if self._fitted is None:
+            return prior
+        coef, free = self._fitted
+        prior_coef = (prior.fixed_s, prior.prefill_s, prior.stream_s, prior.kv_in_s)
+        c = [coef[i] if free[i] else prior_coef[i] for i in range(4)]
+        return StepModel(fixed_s=c[0], prefill_s=c[1], stream_s=c[2], kv_in_s=c[3])
+
+    def _refit(self) -> None:
+        self._since_fit = 0
+        if len(self._samples) < self._min:
+            return
+        data = np.array(self._samples)
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+        y = data[:, 3]
+        free = (True,) + tuple(bool(np.ptp(x[:, i]) >= self.MIN_SPAN[i - 1]) for i in (1, 2, 3))
+        cols = [i for i in range(4) if free[i]]
+        w = _recency_weights(len(y), self._half_life)
+        coef = np.zeros(4)
+        sub = _nonneg_lstsq(x[:, cols] * w[:, None], y * w)
+        resid = np.abs(x[:, cols] @ sub - y)
+        keep = resid <= 3.0 * max(float(np.median(resid)), 1e-4)
+        if keep.sum() >= self._min and not keep.all():
+            sub = _nonneg_lstsq(x[keep][:, cols] * w[keep][:, None], y[keep] * w[keep])
+        coef[cols] = sub
+        self._fitted = (coef, free)

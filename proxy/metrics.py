@@ -24,7 +24,8 @@ class ProxyMetrics:
             ["route", "reason"], registry=r,
         )
         self.fallbacks_total = Counter(
-            "pd_fallbacks_total", "Disaggregated requests served locally after a failure, by reason.",
+            "pd_fallbacks_total",
+            "Disaggregated requests served locally after a failure, by reason.",
             ["reason"], registry=r,
         )
         self.rejected_total = Counter(
@@ -47,6 +48,12 @@ class ProxyMetrics:
         self.ttft_prediction_ratio = Histogram(
             "pd_ttft_prediction_ratio", "Measured / predicted time to first token, by route"
             " (1.0 = the cost model was exact).",
+            ["route"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=r,
+        )
+        self.itl_prediction_ratio = Histogram(
+            "pd_itl_prediction_ratio", "Measured / predicted longest gap between the tokens of"
+            " the streams decoding beside an arrival, by the arrival's route.",
             ["route"], buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
             registry=r,
         )

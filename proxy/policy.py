@@ -6,6 +6,15 @@
 Modes: ``auto`` (the cheaper predicted time to first token, from the live cost model),
 ``disaggregate`` (always, when a prefill engine is up), ``local`` (never), and ``threshold:N``
 (disaggregate when the uncached prompt is at least N tokens, the llm-d / Dynamo rule).
+
+``auto`` with targets (the deployment's ``--slo-ttft-ms``/``--slo-itl-ms``, or the request's
+own ``slo``) also weighs the streams decoding on the chosen decode engine: a local prefill
+stalls each of them for its chunked steps, a disaggregated arrival costs them the step that
+takes its KV in (``StepModel``). The routes that meet both targets are kept and the one with
+the most slack taken (local, when the slacks are within ``SLACK_TIE``); when none does, the
+least violation, with the streams' ITL violation counted once per stream (they are many, the
+arrival is one).
+
 The decision reads no clock and does no I/O.
 """
 
@@ -14,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from transport.cost import LinkModel, PrefillModel
+from transport.cost import LinkModel, PrefillModel, StepModel
 
 Route = Literal["disaggregated", "local"]
 
@@ -29,7 +38,8 @@ class PolicyMode:
 
 
 def parse_policy(text: str) -> PolicyMode:
-    """Parse ``auto``, ``disaggregate``, ``local`` or ``threshold:N``; raise ValueError otherwise."""
+    """Parse ``auto``, ``disaggregate``, ``local`` or ``threshold:N``; raise ValueError
+    otherwise."""
     if text in ("auto", "disaggregate", "local"):
         return PolicyMode(text)  # type: ignore[arg-type]
     if text.startswith("threshold:"):
@@ -50,6 +60,22 @@ class CostInputs:
     link: LinkModel  # hand-over: prefill done -> decode's first token
     prefill_queue_s: float = 0.0  # work already queued on the prefill engine
     decode_queue_s: float = 0.0  # prompt work already queued on the decode engine
+    #: The decode engine's step time (None: not known yet, gaps are not predicted).
+    decode_step: StepModel | None = None
+    #: The decode engine's prefill chunk: a longer prompt is computed over several steps.
+    chunk_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Latency targets: time to first token and the longest gap between tokens (seconds)."""
+
+    ttft_s: float | None = None
+    itl_s: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.ttft_s is not None or self.itl_s is not None
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,9 @@ class RouteInputs:
     decode_cached_tokens: int = 0
     prefill_available: bool = True
     costs: CostInputs | None = None
+    #: Streams decoding on the decode engine now (what a local prefill would stall).
+    streams: int = 0
+    targets: Targets | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +98,18 @@ class Decision:
     reason: str
     predicted_disaggregated_s: float | None = None
     predicted_local_s: float | None = None
+    #: The longest gap the route would put between the running streams' tokens (None: no
+    #: streams, or no step model).
+    gap_disaggregated_s: float | None = None
+    gap_local_s: float | None = None
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (
             self.predicted_local_s
         )
+
+    def predicted_gap_s(self) -> float | None:
+        return self.gap_disaggregated_s if self.route == "disaggregated" else self.gap_local_s
 
 
 def predict(inputs: RouteInputs, costs: CostInputs) -> tuple[float, float]:
@@ -88,16 +124,38 @@ def predict(inputs: RouteInputs, costs: CostInputs) -> tuple[float, float]:
         + costs.link.seconds(moved, costs.kv_bytes_per_token)
     )
     local = costs.decode_queue_s + costs.local_prefill.seconds(local_new)
+    if costs.decode_step is not None and inputs.streams:  # each chunk's step also decodes them
+        local += _chunks(local_new, costs.chunk_tokens) * costs.decode_step.stream_s * (
+            inputs.streams)
+    return disagg, local
+
+
+def _chunks(tokens: int, chunk_tokens: int) -> int:
+    return -(-tokens // max(1, chunk_tokens)) if tokens > 0 else 0
+
+
+def predict_gaps(inputs: RouteInputs, costs: CostInputs) -> tuple[float | None, float | None]:
+    """The longest gap between the running streams' tokens each route causes: (disaggregated,
+    local). Local: a step that computes the largest prompt chunk beside them; disaggregated: the
+    step during which the KV comes in. None when no stream is running or no step model."""
+    step = costs.decode_step
+    if step is None or inputs.streams <= 0:
+        return None, None
+    local_new = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
+    local = step.seconds(min(local_new, costs.chunk_tokens), inputs.streams)
+    disagg = step.seconds(0, inputs.streams, kv_tokens=local_new)
     return disagg, local
 
 
 def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     predicted: tuple[float | None, float | None] = (None, None)
+    gaps: tuple[float | None, float | None] = (None, None)
     if inputs.costs is not None:
         predicted = predict(inputs, inputs.costs)
+        gaps = predict_gaps(inputs, inputs.costs)
 
     def made(route: Route, reason: str) -> Decision:
-        return Decision(route, reason, *predicted)
+        return Decision(route, reason, *predicted, *gaps)
 
     if not inputs.prefill_available:
         return made("local", "prefill_unavailable")
@@ -113,6 +171,9 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     # auto
     if inputs.costs is None:
         return made("disaggregated", "no_cost_model")
+    if inputs.targets is not None and inputs.targets.any:
+        route, reason = _for_targets(inputs, inputs.targets, predicted, gaps)
+        return made(route, reason)
     if uncached == 0:
         return made("local", "cached_on_decode")
     disagg_s, local_s = predicted
@@ -124,3 +185,44 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     ):
         return made("local", "prefill_congested")
     return made("local", "recompute_cheaper")
+
+
+#: Slack (a share of the target) within which two routes that meet every target count as equal.
+SLACK_TIE = 0.05
+
+
+def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | None, ...],
+                 gaps: tuple[float | None, ...]) -> tuple[Route, str]:
+    """Keep the routes that meet both targets, take the one with the most slack; when none
+    does, the least violation (the streams' ITL violation counted once per stream)."""
+    routes: list[Route] = ["disaggregated", "local"] if inputs.prefill_available else ["local"]
+    index = {"disaggregated": 0, "local": 1}
+    streams = inputs.streams
+
+    def judged(route: Route) -> tuple[bool, bool, float, float]:
+        ttft = predicted[index[route]] or 0.0
+        gap = gaps[index[route]]
+        ttft_ok = targets.ttft_s is None or ttft <= targets.ttft_s
+        itl_ok = targets.itl_s is None or gap is None or gap <= targets.itl_s
+        slacks = [(targets.ttft_s - ttft) / targets.ttft_s] if targets.ttft_s else []
+        if targets.itl_s and gap is not None:
+            slacks.append((targets.itl_s - gap) / targets.itl_s)
+        violation = (max(0.0, ttft / targets.ttft_s - 1) if targets.ttft_s else 0.0) + (
+            streams * max(0.0, gap / targets.itl_s - 1) if targets.itl_s and gap else 0.0)
+        return ttft_ok, itl_ok, min(slacks, default=0.0), violation
+
+    verdicts = {r: judged(r) for r in routes}
+    meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
+    if meeting:
+        # Most slack. Slacks within SLACK_TIE of each other are a tie, taken by local: moving
+        # the KV would occupy a second engine and the link for nothing the targets ask for
+        # (and a few percent is within what the fits can tell apart).
+        best = max(meeting, key=lambda r: (verdicts[r][2], -(predicted[index[r]] or 0.0)))
+        if "local" in meeting and verdicts[best][2] - verdicts["local"][2] < SLACK_TIE:
+            best = "local"
+        if len(meeting) == len(routes):
+            return best, "slo_most_slack"
+        other = next(r for r in routes if r != best)
+        return best, "slo_protects_streams" if not verdicts[other][1] else "slo_ttft_target"
+    best = min(routes, key=lambda r: (verdicts[r][3], predicted[index[r]] or 0.0))
+    return best, "slo_least_violation"

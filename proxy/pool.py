@@ -23,113 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Sequence
 
+from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
-from proxy.prefix_index import PrefixIndex
 from transport.kv_events import AllCleared
+
+__all__ = ["BOTH", "Duty", "EndpointInfo", "Engine", "EnginePool", "Role"]
 
 log = logging.getLogger(__name__)
 SLOW_PROBES_TO_MARK_DOWN = 3
-Role = Literal["prefill", "decode", "both"]
-Duty = Literal["prefill", "decode"]
-BOTH: frozenset[str] = frozenset({"prefill", "decode"})
-
-
-@dataclass(eq=False)
-class Engine:
-    role: Role
-    client: EngineClient
-    healthy: bool = False
-    inflight: int = 0
-    consecutive_failures: int = field(default=0)
-    #: What this engine has cached (fed by its KV events; empty without them).
-    index: PrefixIndex = field(default_factory=PrefixIndex)
-    events_endpoint: str | None = None
-    slow_probes: int = 0
-    #: Requests the engine itself reports running + waiting (from its /metrics, each probe).
-    engine_requests: int = 0
-    #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.
-    mean_prompt_tokens: float | None = None
-    _totals: tuple[float, float] | None = None  # (prompt tokens, finished requests) last probe
-    #: NIXL's measured pull rate on this engine (bytes / transfer time, recent transfers), or
-    #: None before any: wire time only, where the hand-over fit times all a user waits for.
-    nixl_bytes_per_s: float | None = None
-    _foreign: int = 0
-    nixl_transfers: int = 0
-    _nixl: tuple[float, float] | None = None  # (bytes, seconds) at the last probe
-    #: Scale-down in progress: serves what it has, is picked for nothing new.
-    draining: bool = False
-    #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
-    instance: str = ""
-    #: When it was last picked (a pool-wide sequence number): ties rotate.
-    last_pick: dict[str, int] = field(default_factory=dict)  # per duty
-    #: Up, but its NIXL handshakes with the other role are still being paid (it joined or came
-    #: back after start-up): picked only when no other engine is usable.
-    warming: bool = False
-    #: What it is asked to do now ("prefill", "decode"); by default all its role can do.
-    duties: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        if not self.duties:
-            self.duties = BOTH if self.role == "both" else frozenset({self.role})
-
-    def can(self, duty: Duty) -> bool:
-        """Whether the engine's role allows ``duty`` (assigned or not)."""
-        return self.role in (duty, "both")
-
-    def update_load(self, metrics_text: str) -> None:
-        load = parse_engine_load(metrics_text)
-        self.engine_requests = int(load["vllm:num_requests_running"]
-                                   + load["vllm:num_requests_waiting"])
-        self._foreign = max(0, self.engine_requests - self.inflight)
-        totals = (load["vllm:prompt_tokens_total"], load["vllm:request_success_total"])
-        if self._totals is not None:
-            d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
-            if d_requests > 0 and d_tokens >= 0:
-                mean = d_tokens / d_requests
-                self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
-                    0.7 * self.mean_prompt_tokens + 0.3 * mean)
-        self._totals = totals
-        nixl = (load["vllm:nixl_bytes_transferred_sum"], load["vllm:nixl_xfer_time_seconds_sum"])
-        if self._nixl is not None:
-            d_bytes, d_s = nixl[0] - self._nixl[0], nixl[1] - self._nixl[1]
-            if d_bytes > 0 and d_s > 0:
-                rate = d_bytes / d_s
-                self.nixl_bytes_per_s = rate if self.nixl_bytes_per_s is None else (
-                    0.5 * self.nixl_bytes_per_s + 0.5 * rate)
-        self._nixl = nixl
-        self.nixl_transfers = int(load["vllm:nixl_xfer_time_seconds_count"])
-
-    @property
-    def foreign_requests(self) -> int:
-        """Requests on the engine that this proxy did not send (other clients or proxies), as of
-        the last look at its metrics. Counted then, against what this proxy had in flight then:
-        subtracting today's in-flight count from a reading up to a second old would count this
-        proxy's own requests that finished since as somebody else's queue."""
-        return self._foreign
-
-    @property
-    def name(self) -> str:
-        return self.client.name
-
-
-@dataclass(frozen=True)
-class EndpointInfo:
-    """One engine as a directory (Ray mode) reports it."""
-
-    name: str
-    role: Role
-    url: str
-    kv_events: str | None = None
-    #: Changes when the engine is restarted, even at the same url (e.g. "host:pid").
-    instance: str = ""
-
-
 def _no_cost(engine: Engine) -> float:
     return 0.0
 
@@ -211,7 +115,8 @@ class EnginePool:
     ) -> tuple[list[Engine], list[Engine]]:
         """Make the pool match ``infos``; return (engines added, engines removed).
 
-        An engine whose url or instance changed is a new engine (a restart: empty cache); in-flight requests keep the object they hold and end on their own."""
+        An engine whose url or instance changed is a new engine (a restart: empty cache);
+        in-flight requests keep the object they hold and end on their own."""
         wanted = {i.name: i for i in infos}
         removed = [e for e in self.all() if e.name not in wanted
                    or (e.client.base_url, e.instance) != (wanted[e.name].url.rstrip("/"),
@@ -269,14 +174,6 @@ class EnginePool:
         prefill_ok = not self.prefill or any(e.healthy for e in self.prefill)
         return any(e.healthy for e in self.decode) and prefill_ok
 
-    @contextmanager
-    def using(self, engine: Engine) -> Iterator[Engine]:
-        engine.inflight += 1
-        try:
-            yield engine
-        finally:
-            engine.inflight -= 1
-
     def mark_down(self, engine: Engine) -> None:
         if engine.healthy:
             log.warning("engine %s (%s) marked down", engine.name, engine.role)
@@ -325,32 +222,6 @@ class EnginePool:
         while True:
             await asyncio.sleep(interval_s)
             await self.probe_all()
-
-
-_LOAD_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                "vllm:prompt_tokens_total", "vllm:request_success_total",
-                # NIXL's own view of the KV pulls this (decode) engine made
-                "vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum",
-                "vllm:nixl_xfer_time_seconds_count")
-
-
-def parse_engine_load(metrics_text: str) -> dict[str, float]:
-    """The load series of a vLLM engine's Prometheus text, each summed over its labels."""
-    out = dict.fromkeys(_LOAD_SERIES, 0.0)
-    for line in metrics_text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            try:
-                out[name] += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return out
-
-
-def engine_load(metrics_text: str) -> int:
-    """Running + waiting requests from a vLLM engine's Prometheus text."""
-    load = parse_engine_load(metrics_text)
-    return int(load["vllm:num_requests_running"] + load["vllm:num_requests_waiting"])
 
 
 def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import msgspec
 
 from proxy.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedMediaType
+from proxy.policy import Targets
 from transport import kv_params
 
 Endpoint = Literal["chat", "completions"]
@@ -31,6 +32,8 @@ class ApiRequest:
     force_route: Literal["disaggregated", "local"] | None = None
     #: The client's per-request KV limits (``kv_limits``), already taken out of ``body``.
     kv_limits: kv_params.KVLimits | None = None
+    #: The client's own latency targets (``slo``), already taken out of ``body``.
+    targets: Targets | None = None
 
     @property
     def path(self) -> str:
@@ -45,6 +48,34 @@ def take_kv_limits(body: dict[str, Any]) -> kv_params.KVLimits | None:
         return kv_params.parse_limits(body.pop(kv_params.LIMITS_KEY))
     except ValueError as exc:
         raise InvalidRequest(str(exc), param=kv_params.LIMITS_KEY) from None
+
+
+#: pdserve's request field for the client's latency targets (never forwarded to an engine).
+SLO_KEY = "slo"
+_SLO_FIELDS = {"ttft_ms": "ttft_s", "itl_ms": "itl_s"}
+_MAX_TARGET_MS = 1e7
+
+
+def take_slo(body: dict[str, Any]) -> Targets | None:
+    """Remove and validate the client's ``slo``: ``{"ttft_ms": N, "itl_ms": N}``, each optional,
+    each a positive number of milliseconds."""
+    if SLO_KEY not in body:
+        return None
+    raw = body.pop(SLO_KEY)
+    if not isinstance(raw, dict):
+        raise InvalidRequest("slo must be an object", param=SLO_KEY)
+    unknown = sorted(set(raw) - set(_SLO_FIELDS))
+    if unknown:
+        raise InvalidRequest(f"slo has unsupported keys: {', '.join(unknown)}", param=SLO_KEY)
+    seconds: dict[str, float] = {}
+    for key, attr in _SLO_FIELDS.items():
+        if key in raw:
+            v = raw[key]
+            if not _is_number(v) or not 0 < v <= _MAX_TARGET_MS:
+                raise InvalidRequest(f"slo.{key} must be a number of milliseconds in "
+                                     f"(0, {_MAX_TARGET_MS:g}]", param=SLO_KEY)
+            seconds[attr] = v / 1e3
+    return Targets(**seconds) if seconds else None
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -123,5 +154,6 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
     if n is not None and not (_is_int(n) and n == 1):
         raise InvalidRequest("only n=1 is supported", param="n")
     if body.get("stream_options") is not None and not stream:
-        raise InvalidRequest("stream_options is only allowed with stream=true", param="stream_options")
+        raise InvalidRequest("stream_options is only allowed with stream=true",
+                             param="stream_options")
     return stream

@@ -21,7 +21,7 @@ import asyncio
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.config import ProxyConfig
@@ -95,7 +95,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def uvicorn_config(app: FastAPI, config: ProxyConfig, host: str, port: int,
+def uvicorn_config(app: ASGIApp, config: ProxyConfig, host: str, port: int,
                    **overrides: Any) -> uvicorn.Config:
     """The one way the proxy is served (dev mode, Ray mode, tests)."""
     protocol = type("GuardedHttpTools", (GuardedHttpToolsProtocol,),

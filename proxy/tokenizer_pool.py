@@ -101,10 +101,9 @@ class TokenizerPool:
     async def start(cls, model_dir: str, workers: int, inline_chars: int) -> TokenizerPool:
         """``inline_chars``: prompts of at most this many characters are measured in the
         caller's thread (``ProxyConfig.tokenizer_inline_chars``)."""
-        local, *started = await asyncio.gather(
-            asyncio.to_thread(_warm_tokenizer, model_dir),
-            *(_Worker.start(model_dir) for _ in range(workers)))
-        return cls(model_dir, local, inline_chars, started)
+        local = asyncio.create_task(asyncio.to_thread(_warm_tokenizer, model_dir))
+        started = await asyncio.gather(*(_Worker.start(model_dir) for _ in range(workers)))
+        return cls(model_dir, await local, inline_chars, list(started))
 
     async def measure(self, body: Mapping[str, Any], block_sizes: Sequence[int]
                       ) -> PromptTokens | None:

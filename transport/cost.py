@@ -43,6 +43,24 @@ class LinkModel:
         return self.fixed_s + n_tokens * kv_bytes_per_token / self.bytes_per_s
 
 
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds one decode engine's step takes: ``fixed_s + prefill_s * prefill tokens in the
+    step + stream_s * streams decoding + kv_in_s * KV tokens pulled in meanwhile`` (the shape of
+    DistServe's simulator and Dynamo's regression model, plus a term for the CPU a KV pull
+    takes from the steps on a CPU engine). Streams decoding there wait one step per token: a
+    step that also computes a prompt chunk is a longer gap between their tokens."""
+
+    fixed_s: float
+    prefill_s: float
+    stream_s: float
+    kv_in_s: float = 0.0
+
+    def seconds(self, prefill_tokens: int = 0, streams: int = 0, kv_tokens: int = 0) -> float:
+        return (self.fixed_s + self.prefill_s * max(0, prefill_tokens)
+                + self.stream_s * max(0, streams) + self.kv_in_s * max(0, kv_tokens))
+
+
 def breakeven_bytes_per_s(kv_bytes_per_token: int, prefill_tokens_per_s: float) -> float:
     """Link bandwidth at which moving a token's KV costs as much as recomputing it."""
     return kv_bytes_per_token * prefill_tokens_per_s

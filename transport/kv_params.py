@@ -60,7 +60,8 @@ def prefill_request_params() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class PrefillHandoff:
-    """What a finished prefill hands to a decode engine: where its KV blocks are, and the prompt ids.
+    """What a finished prefill hands to a decode engine: where its KV blocks are, and the prompt
+    ids.
 
     ``params`` is the prefill's ``kv_transfer_params`` exactly as received (engines may add keys we
     don't interpret; they must still reach decode).

@@ -1,4 +1,4 @@
-"""vLLM's NixlConnector with two fixes for the CPU platform (loaded via ``kv_connector_module_path``).
+"""vLLM's NixlConnector with two fixes for the CPU platform (``kv_connector_module_path``).
 
 1. nixl 1.5.1's Python API builds every agent with ``pthrDelay = 0``, so the UCX backend's
    progress thread polls with a 0 ms timeout and spins: 45-95 % of a core per engine while idle,
@@ -46,8 +46,8 @@ class NixlConnector(_LeasedNixlConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         ktc = vllm_config.kv_transfer_config
         extra = (lambda key: ktc.get_from_extra_config(key, None)) if ktc else (lambda key: None)
-        if extra(DELAY_KEY):
-            install_progress_delay(int(extra(DELAY_KEY)))
+        if (delay := extra(DELAY_KEY)) is not None and delay:
+            install_progress_delay(int(delay))
         cpus = os.sched_getaffinity(0)
         super().__init__(vllm_config, role, kv_cache_config)
         if extra(AFFINITY_KEY) and os.sched_getaffinity(0) != cpus:

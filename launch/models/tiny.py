@@ -252,7 +252,7 @@ def build_tiny_model(out_dir: Path, *, progress: Progress | None = None) -> Path
     config = tiny_config()
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
         _seeded_init(model, SEED)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
@@ -286,7 +286,8 @@ def save_tokenizer(tokenizer, out_dir: Path) -> None:
 
 
 def pin_config_dtype(config_path: Path) -> None:
-    """Name float32 in config.json under both keys: ``torch_dtype`` (transformers 4), ``dtype`` (5)."""
+    """Name float32 in config.json under both keys: ``torch_dtype`` (transformers 4) and
+    ``dtype`` (5)."""
     config = json.loads(config_path.read_text())
     config["torch_dtype"] = "float32"
     if "dtype" in config:

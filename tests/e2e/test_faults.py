@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from proxy.pool import parse_engine_load
+from transport.engine_metrics import engine_load, sample_sums
 from tests.e2e.conftest import FIRST_BYTE_DEADLINE_S, IDLE_DEADLINE_S, PREFILL_DEADLINE_S
 from tests.e2e.prompts import text_of_tokens
 from tests.e2e.routes import wait_for
@@ -31,15 +31,13 @@ def engine_metrics(url: str) -> str:
 
 
 def engine_requests(url: str) -> int:
-    load = parse_engine_load(engine_metrics(url))
-    return int(load["vllm:num_requests_running"] + load["vllm:num_requests_waiting"])
+    return engine_load(engine_metrics(url)).requests
 
 
 def kv_usage(url: str) -> float:
-    for line in engine_metrics(url).splitlines():
-        if line.startswith("vllm:kv_cache_usage_perc{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:kv_cache_usage_perc")
+    usage = sample_sums(engine_metrics(url)).get("vllm:kv_cache_usage_perc")
+    assert usage is not None, "no vllm:kv_cache_usage_perc"
+    return usage
 
 
 def proxy_metric(stack, name: str, **labels: str) -> float:
@@ -133,8 +131,7 @@ def test_stalled_decode_mid_stream_ends_with_an_error_event(stack):
 
 
 def generated_tokens(url: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in engine_metrics(url).splitlines()
-               if line.startswith("vllm:generation_tokens_total{"))
+    return sample_sums(engine_metrics(url)).get("vllm:generation_tokens_total", 0.0)
 
 
 def test_client_gone_mid_stream_aborts_decode(stack):
@@ -184,16 +181,15 @@ def test_client_gone_after_prefill_frees_its_blocks_before_the_lease(stack):
     """Prefill done, decode not answering yet (frozen), client hangs up: the proxy has the
     decode engine read the blocks at once, so the prefill engine frees them in seconds
     instead of holding them for the whole lease (30 s here)."""
-    prefill_done = parse_engine_load(engine_metrics(stack.prefill_url))[
-        "vllm:request_success_total"]
+    prefill_done = engine_load(engine_metrics(stack.prefill_url)).requests_finished
     with stopped(stack.engine_pid("decode")):
         raw = socket.create_connection(("127.0.0.1", int(stack.proxy_url.rsplit(":", 1)[1])))
         payload = json.dumps(chat(stack, 2000, 6, stream=True)).encode()
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
                     b"content-type: application/json\r\ncontent-length: "
                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        wait_for(lambda: parse_engine_load(engine_metrics(stack.prefill_url))[
-            "vllm:request_success_total"] > prefill_done, "prefill finished", timeout_s=5)
+        wait_for(lambda: engine_load(engine_metrics(stack.prefill_url)).requests_finished
+                 > prefill_done, "prefill finished", timeout_s=5)
         held = kv_usage(stack.prefill_url)
         raw.close()
         time.sleep(1.0)

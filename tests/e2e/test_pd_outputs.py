@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.prompts import text_of_tokens
+from transport.engine_metrics import engine_load
 
 LENGTHS = [100, 400, 1000, 1600, 3000]
 MAX_TOKENS = 16
@@ -37,9 +38,7 @@ def prompt_sources(decode_url: str) -> dict[str, float]:
 
 def success_count(url: str) -> float:
     """Requests an engine finished, by its own metrics."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return engine_load(httpx.get(url + "/metrics", timeout=10).text).requests_finished
 
 
 def stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, httpx.Headers, list[str]]:

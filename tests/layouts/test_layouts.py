@@ -10,6 +10,7 @@ import pytest
 
 from tests.e2e.prompts import text_of_tokens
 from tests.e2e.routes import costs, wait_for
+from transport.engine_metrics import engine_load
 from tests.e2e.test_pd_outputs import stream_text, success_count
 
 MAX_TOKENS = 16
@@ -40,18 +41,19 @@ def engine_urls(stack) -> list[str]:
 
 
 def nixl_pulls(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:nixl_xfer_time_seconds_count"))
+    return engine_load(httpx.get(url + "/metrics", timeout=10).text).nixl_transfers
 
 
-def route(stack, **settings) -> dict:
-    """Set the routing, then wait until the proxy's last look at both engines found them idle
-    (requests sent straight to an engine count as its load for a second or so)."""
+def route(stack, idle: bool = True, **settings) -> dict:
+    """Set the routing; with ``idle``, then wait until the proxy's last look at both engines
+    found them idle (requests sent straight to an engine count as its load for a second or
+    so)."""
     r = httpx.post(stack.proxy_url + "/pd/admin/routing", json=settings, timeout=10)
     assert r.status_code == 200, r.text
-    wait_for(lambda: all(e["engine_requests"] == 0 for e in costs(stack)["engines"].values()),
-             "both engines idle", timeout_s=30)
+    if idle:
+        wait_for(lambda: all(e["engine_requests"] == 0
+                             for e in costs(stack)["engines"].values()),
+                 "both engines idle", timeout_s=30)
     return r.json()
 
 

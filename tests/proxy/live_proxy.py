@@ -20,9 +20,10 @@ from typing import Any
 
 import uvicorn
 from fake_engine import FakeEngine
-from fastapi import FastAPI
+from starlette.applications import Starlette
 
-from proxy.app import ProxyState, create_app
+from proxy.app import create_app
+from proxy.service import ProxyService
 from proxy.config import ProxyConfig
 from proxy.server import uvicorn_config
 
@@ -57,7 +58,7 @@ class _Server(uvicorn.Server):
 
 @dataclass
 class LiveProxy:
-    app: FastAPI
+    app: Starlette
     host: str
     port: int
 
@@ -66,7 +67,7 @@ class LiveProxy:
         return f"http://{self.host}:{self.port}"
 
     @property
-    def state(self) -> ProxyState:
+    def state(self) -> ProxyService:
         return self.app.state.pd
 
     def metric(self, name: str, **labels: str) -> float:

@@ -99,18 +99,29 @@ def test_token_ratio_converges():
 
 
 def test_route_costs_queue_accounting():
+    from proxy.pool import Engine
+
     rc = RouteCosts(KVB)
-    assert rc.begin("p", 1000) is True
-    assert rc.begin("p", 500) is False
-    assert rc.inputs("p", "d").prefill_queue_s > 0
-    rc.end("p", 1000)
-    rc.end("p", 500)
-    assert rc.queued_tokens("p") == 0
+    p = Engine("prefill", _Named("p"))
+    first = rc.ledger.claim(p, prompt_tokens=1000)
+    second = rc.ledger.claim(p, prompt_tokens=500)
+    assert first.was_idle is True and second.was_idle is False
+    assert rc.inputs("p", "d").prefill_queue_s > 0 and p.inflight == 2
+    first.release()
+    second.prompt_done()
+    second.release()
+    second.release()  # idempotent
+    assert rc.queued_tokens("p") == 0 and p.inflight == 0
     assert rc.inputs("p", "d").prefill_queue_s == 0
 
 
+class _Named:
+    def __init__(self, name: str):
+        self.name = name
+
+
 def test_engine_load_reads_running_and_waiting_only():
-    from proxy.pool import engine_load
+    from transport.engine_metrics import engine_load
 
     text = (
         '# HELP vllm:num_requests_running x\n'
@@ -119,7 +130,7 @@ def test_engine_load_reads_running_and_waiting_only():
         'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3.0\n'
         'vllm:num_requests_running_total 99\n'
     )
-    assert engine_load(text) == 5
+    assert engine_load(text).requests == 5
 
 
 def test_foreign_load_adds_queue_time():
@@ -217,3 +228,15 @@ def test_foreign_load_is_counted_when_the_engine_is_read():
     assert e.foreign_requests == 1  # one request of another client
     e.inflight = 0  # ours finished; the reading is still the old one
     assert e.foreign_requests == 1
+
+
+def test_link_fit_learns_nothing_from_hand_overs_of_a_few_tokens():
+    """A 3-token hand-over is all fixed cost: rescaling the bandwidth from it once priced a
+    1,300-token hand-over at 16 s."""
+    fit = LinkFit(LinkModel(0.01, 1e9), kv_bytes_per_token=KVB)
+    for n, s in ((1024, 0.014), (256, 0.011), (1024, 0.014), (512, 0.012)):
+        fit.observe(n, s)
+    before = fit.model()
+    for _ in range(4):
+        fit.observe(3, 0.05)  # slow, but says nothing about bandwidth
+    assert fit.model() == before

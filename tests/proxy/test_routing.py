@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.metrics import ProxyMetrics
-from proxy.orchestrator import DEFAULT_OUTPUT_BUDGET, Orchestrator, output_budget
+from proxy.engine_bodies import DEFAULT_OUTPUT_BUDGET, output_budget
+from proxy.orchestrator import Orchestrator
 from proxy.policy import parse_policy
 from proxy.pool import EnginePool
 from proxy.prefix_index import block_keys
@@ -43,6 +44,12 @@ def setup(prefills=("p0", "p1"), decodes=("d0", "d1")):
     return pool, costs, orch
 
 
+async def planned(orch, req):
+    """Plan ``req`` and claim its output budget on its decode engine, as ``serve`` does."""
+    plan = await orch.plan(req)
+    return plan, orch.ledger.claim(plan.decode, output_tokens=plan.output_budget)
+
+
 def cache(engine, tokens):
     engine.index.apply([BlocksStored(tuple(range(len(tokens) // BS)), None, tuple(tokens),
                                      BS, "GPU")])
@@ -57,39 +64,39 @@ async def test_prefill_with_the_prefix_cached_is_chosen_over_rotation():
     pool, _, orch = setup()
     cache(pool.get("p1"), PROMPT[:48])
     for _ in range(3):  # p1 has 48 of 64 tokens: 16 new ones there, 64 on p0
-        assert (await orch._plan(request(), None, None)).prefill.name == "p1"
+        assert (await orch.plan(request())).prefill.name == "p1"
 
 
 async def test_cached_prefix_loses_once_its_engine_is_loaded_more_than_it_saves():
     pool, costs, orch = setup()
     cache(pool.get("p1"), PROMPT[:48])
-    costs.begin("p1", 40)  # queued prompt work on p1: 40 + 16 new < 0 + 64 new on p0
-    assert (await orch._plan(request(), None, None)).prefill.name == "p1"
-    costs.begin("p1", 20)  # 60 + 16 > 64: p0
-    assert (await orch._plan(request(), None, None)).prefill.name == "p0"
+    orch.ledger.claim(pool.get("p1"), prompt_tokens=40)  # 40 + 16 new < 0 + 64 new on p0
+    assert (await orch.plan(request())).prefill.name == "p1"
+    orch.ledger.claim(pool.get("p1"), prompt_tokens=20)  # 60 + 16 > 64: p0
+    assert (await orch.plan(request())).prefill.name == "p0"
 
 
 async def test_decode_load_counts_output_budgets_and_releases_them():
     _, costs, orch = setup()
-    long = await orch._plan(request(max_tokens=1000), None, None)
+    long, long_claim = await planned(orch, request(max_tokens=1000))
     assert long.decode.name == "d0" and costs.load_tokens("d0") == 1000
     # By request count they would alternate; by tokens the short ones go to d1 until d1
     # holds as much as the long answer's budget.
-    shorts = [await orch._plan(request(max_tokens=100), None, None) for _ in range(11)]
-    assert [t.decode.name for t in shorts] == ["d1"] * 10 + ["d0"]
+    shorts = [await planned(orch, request(max_tokens=100)) for _ in range(11)]
+    assert [t.decode.name for t, _ in shorts] == ["d1"] * 10 + ["d0"]
     assert costs.load_tokens("d1") == 1000 and costs.load_tokens("d0") == 1100
-    for t in [long, *shorts]:
-        orch._release_output(t)
+    for claim in [long_claim, *(c for _, c in shorts)]:
+        claim.output_done()
     assert costs.load_tokens("d0") == costs.load_tokens("d1") == 0
 
 
 async def test_streamed_tokens_come_off_the_budget():
     _, costs, orch = setup()
-    t = await orch._plan(request(max_tokens=10), None, None)
-    orch._release_output(t, 3)
+    t, claim = await planned(orch, request(max_tokens=10))
+    claim.output_done(3)
     assert costs.load_tokens(t.decode.name) == 7
-    orch._release_output(t, 30)  # more frames than budget (role frame, usage frame)
-    assert costs.load_tokens(t.decode.name) == 0 and t.output_left == 0
+    claim.output_done(30)  # more frames than budget (role frame, usage frame)
+    assert costs.load_tokens(t.decode.name) == 0 and claim.output_tokens == 0
 
 
 async def test_other_clients_requests_count_at_the_engines_mean_prompt_size():
@@ -97,7 +104,7 @@ async def test_other_clients_requests_count_at_the_engines_mean_prompt_size():
     d0 = pool.get("d0")
     d0._foreign, d0.mean_prompt_tokens = 2, 300.0
     assert costs.load_tokens("d0", d0.foreign_requests, d0.mean_prompt_tokens) == 600
-    assert (await orch._plan(request(max_tokens=100), None, None)).decode.name == "d1"
+    assert (await planned(orch, request(max_tokens=100)))[0].decode.name == "d1"
     # d1 has seen no mean yet: the typical prompt size this proxy has seen stands in.
     assert costs.load_tokens("d1", 1, None) == 100 + costs.typical_prompt_tokens
 

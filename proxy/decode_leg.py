@@ -1,0 +1,219 @@
+"""The decode leg: the decode engine pulls the hand-off's KV (or computes the prompt itself),
+then answers; retried on another decode engine when the first cannot be reached.
+
+A :class:`DecodeLeg` holds the request's claim on its decode engine from the plan on and is the
+one place it is released: :meth:`whole` (a reply read in full), :func:`proxy.relay.relay` (a
+stream, when it ends however it ends), or the orchestrator when the request fails before either
+(``claim.release`` is idempotent). Call order: ``open()`` once, then ``whole()`` or the relay;
+``first_byte(now)`` when the client has its first bytes; ``release_blocks()`` only for a client
+that left after its prefill but before the decode engine answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from proxy.costs import RouteCosts
+from proxy.deadlines import Deadlines
+from proxy.engine_bodies import decode_body, release_body
+from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
+from proxy.errors import StageTimeout, UpstreamError, from_engine_error
+from proxy.ledger import Claim, Ledger
+from proxy.metrics import ProxyMetrics
+from proxy.plan import Plan
+from proxy.pool import Engine, EnginePool
+from proxy.requests import ApiRequest
+from proxy.trace import Trace
+from transport import kv_params
+
+log = logging.getLogger(__name__)
+
+
+class DecodeLeg:
+    def __init__(self, req: ApiRequest, plan: Plan, trace: Trace, claim: Claim,
+                 handoff: kv_params.PrefillHandoff | None, *, pool: EnginePool, ledger: Ledger,
+                 costs: RouteCosts, deadlines: Deadlines, metrics: ProxyMetrics,
+                 background: set[asyncio.Task]):
+        self.req, self.plan, self.trace, self.claim = req, plan, trace, claim
+        self._pool, self._ledger, self._costs = pool, ledger, costs
+        self._deadlines, self._metrics, self._background = deadlines, metrics, background
+        self.handoff = handoff
+        self.route = "disaggregated" if handoff is not None else "local"
+        # The prefill engine frees the blocks when its lease ends; they may then be reused.
+        self.read_by = time.time() + deadlines.handoff_s
+        #: The decode engine sent its response headers (it has the request).
+        self.answered = False
+        #: The decode engine computes the prompt: timed alone when nothing else was queued.
+        self.local_was_idle = False
+        self._streaming = False
+        self._streams_at_send = 0
+        if handoff is None:
+            self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
+        self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
+
+    @property
+    def decode(self) -> Engine:
+        return self.claim.engine
+
+    async def open(self) -> EngineStream:
+        """Send the decode request. A decode engine that cannot be reached has seen nothing of
+        the request, so it goes to another healthy decode engine (once each) before failing;
+        any decode engine can pull the prefill's KV."""
+        tried: set[str] = set()
+        while True:
+            decode = self.decode
+            tried.add(decode.name)
+            self.trace.t_decode_sent = time.perf_counter()
+            # The streams decoding there will see this arrival's steps: time them.
+            tracker = self._costs.tracker(decode.name)
+            self._streams_at_send = tracker.streams
+            tracker.work_started(self, self.trace.t_decode_sent,
+                                 self.plan.decision.predicted_gap_s(), self.route)
+            try:
+                stream = await decode.client.open_stream(
+                    self.req.path, self.body, {"x-request-id": self.req.request_id},
+                    self._deadlines.first_byte_s, self._deadlines.idle_s)
+                break
+            except EngineUnreachable as exc:
+                self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
+                self._pool.mark_down(decode)
+                other = self._pool.pick_decode(self._load)
+                if other is None or other.name in tried:
+                    raise UpstreamError("the decode engine is unreachable") from None
+                log.warning("decode %s unreachable: retrying %s on %s", decode.name,
+                            self.req.request_id, other.name)
+                self._metrics.fallbacks_total.labels("decode_retried").inc()
+                self.claim.move_to(other)
+                self.local_was_idle = self.local_was_idle and self.claim.was_idle
+                if self.handoff is not None and (exc.delivered or time.time() > self.read_by):
+                    self._recompute_instead(exc.delivered)
+            except EngineTimeout:
+                self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
+                raise StageTimeout("the decode engine did not answer in time") from None
+        self.answered = True
+        if stream.status != 200:
+            try:
+                data = await stream.read_all()
+            finally:
+                stream.close()
+            raise from_engine_error(stream.status, data)
+        return stream
+
+    def _load(self, engine: Engine) -> float:
+        return self._costs.load_tokens(engine.name, engine.foreign_requests,
+                                       engine.mean_prompt_tokens)
+
+    def _recompute_instead(self, delivered: bool) -> None:
+        """Drop the hand-off: the next decode engine computes the prompt itself. Used when the
+        engine that failed may have read the KV already (its read frees the prefill's blocks,
+        which may then hold another request's KV), or when the prefill's lease on them is
+        nearly over: a late read of blocks reused meanwhile would be silent garbage."""
+        reason = "handoff_maybe_read" if delivered else "handoff_expired"
+        log.warning("%s: the retry computes the prompt (%s)", self.req.request_id, reason)
+        self._metrics.fallbacks_total.labels(reason).inc()
+        self.handoff = None
+        self.route = "local"
+        self.local_was_idle = self.claim.add_prompt(self.plan.decode_new_tokens)
+        self.body = decode_body(self.req.body, None, self.read_by, self.req.kv_limits)
+
+    async def whole(self) -> bytes:
+        """The decode engine's whole (unstreamed) reply; the claim ends with it."""
+        stream = await self.open()
+        try:
+            async with asyncio.timeout(self._deadlines.total_s):
+                data = await stream.read_all()
+        except TimeoutError:
+            raise StageTimeout("the decode engine did not finish in time") from None
+        except Exception:
+            raise UpstreamError("the decode engine failed while answering") from None
+        finally:
+            stream.close()
+            self.claim.release()
+            self.ended(time.perf_counter())
+        # A whole reply has no first-token time: only its total is recorded.
+        self._metrics.stage_seconds.labels("total", self.route).observe(
+            time.perf_counter() - self.trace.t_start)
+        return data
+
+    def first_byte(self, now: float) -> None:
+        """Record what the first bytes measured; runs once the client has them."""
+        self.claim.prompt_done()
+        self.trace.run_deferred()
+        plan, trace = self.plan, self.trace
+        local = self.handoff is None
+        tracker = self._costs.tracker(self.decode.name)
+        tracker.work_done(self, now, prefill_tokens=plan.decode_new_tokens if local else 0,
+                          kv_tokens=0 if local else plan.decode_new_tokens)
+        tracker.stream_started(self, now)
+        self._streaming = True
+        ttft = now - trace.t_start
+        self._metrics.stage_seconds.labels("ttft", self.route).observe(ttft)
+        predicted = plan.decision.predicted_s() if self.route == plan.decision.route else None
+        if predicted:
+            self._metrics.ttft_prediction_ratio.labels(self.route).observe(ttft / predicted)
+        if self.handoff is not None and plan.prefill is not None:
+            handover = now - trace.t_handoff
+            self._metrics.stage_seconds.labels("handover", self.route).observe(handover)
+            moved = self.handoff.num_prompt_tokens - plan.decode_cached_tokens
+            self._costs.observe_handover(plan.prefill.name, self.decode.name, moved, handover)
+        elif self.local_was_idle and not self._streams_at_send:
+            # Timed alone: no other prompt work queued and no stream decoding beside it (each
+            # step would also have decoded those, which the step model accounts for).
+            self._costs.observe_local_prefill(self.decode.name, plan.decode_new_tokens,
+                                              now - trace.t_decode_sent)
+
+    def frames(self, now: float, frames: int) -> None:
+        """``frames`` more tokens relayed at ``now``."""
+        self.claim.output_done(frames)
+        self._costs.tracker(self.decode.name).frame(self, now, frames)
+
+    def ended(self, now: float) -> None:
+        """The request is over on its decode engine, however it ended."""
+        tracker = self._costs.tracker(self.decode.name)
+        tracker.work_dropped(self, now)  # (a no-op once its first byte came)
+        if self._streaming:
+            tracker.stream_ended(self)
+        self.claim.release()
+        self.trace.run_deferred()
+
+    def release_blocks(self) -> None:
+        """The client left after prefill, before decode answered: the decode request, if it got
+        out, is aborted, maybe before its engine took it. The prefill engine then holds the
+        blocks until its lease expires unless a decode reads them: read them now (one token),
+        in the background."""
+        body, client, request_id = release_body(self.body), self.decode.client, self.req.request_id
+        timeout_s = self._deadlines.first_byte_s
+
+        async def run() -> None:
+            try:
+                await client.post_json(self.req.path, body, {"x-request-id": request_id},
+                                       timeout_s)
+            except Exception as exc:  # noqa: BLE001 - best effort; the lease frees them later
+                log.warning("could not release prefill blocks of %s: %s", request_id, exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-request-id": self.req.request_id, "x-pd-route": self.route}
+        if (estimate := estimate_header(self.plan)) is not None:
+            headers["x-pd-estimate"] = estimate
+        return headers
+
+
+def estimate_header(plan: Plan) -> str | None:
+    """The predicted TTFT of each route and, with streams decoding beside, the longest gap
+    each would put between their tokens."""
+    decision = plan.decision
+    if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
+        return None
+    out = (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
+           f"local={decision.predicted_local_s * 1e3:.1f}ms")
+    if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:
+        out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
+                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms")
+    return out
+

@@ -1,0 +1,119 @@
+"""What this proxy has outstanding on each engine, kept by the requests that put it there.
+
+Each request holds a :class:`Claim` on each engine it uses: prompt tokens the engine is to
+compute for it (a prefill leg, or the decode engine's local prefill), the output budget it may
+still generate there (its ``max_tokens`` minus what was relayed), and one request in flight.
+Routing reads the sums (:meth:`Ledger.load`, ``Engine.inflight``); the cost model reads the
+queued prompt tokens. A claim is the only way these numbers change:
+
+    claim = ledger.claim(engine, prompt_tokens=n, output_tokens=m)   # or `with ...:`
+    claim.add_prompt(k)      # more prompt work there (a local prefill after a failed prefill)
+    claim.prompt_done()      # the engine has computed the prompt (its first byte, or the reply)
+    claim.output_done(k)     # k tokens relayed (None: the rest)
+    claim.move_to(other)     # the request goes to another engine (a retry): what is left moves
+    claim.release()          # everything left; idempotent, and what ``with`` does on exit
+
+Release is idempotent and the counts never go below zero, so a claim released in a ``finally``
+after a partial release is safe. Not thread-safe: used on the event loop.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from types import TracebackType
+
+from proxy.pool import Engine
+
+
+@dataclass
+class EngineLoad:
+    """One engine's outstanding work from this proxy."""
+
+    prompt_tokens: int = 0  # prompt tokens queued for computing there
+    output_tokens: int = 0  # output budgets of the requests decoding there
+    requests: int = 0  # requests in flight there
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._loads: dict[str, EngineLoad] = defaultdict(EngineLoad)
+
+    def load(self, engine: str) -> EngineLoad:
+        """``engine``'s current load (a live view: do not change it)."""
+        return self._loads[engine]
+
+    def loads(self) -> dict[str, EngineLoad]:
+        return dict(self._loads)
+
+    def claim(self, engine: Engine, *, prompt_tokens: int = 0, output_tokens: int = 0
+              ) -> Claim:
+        return Claim(self, engine, prompt_tokens, output_tokens)
+
+    def _add(self, engine: Engine, prompt: int, output: int, requests: int) -> None:
+        load = self._loads[engine.name]
+        load.prompt_tokens = max(0, load.prompt_tokens + prompt)
+        load.output_tokens = max(0, load.output_tokens + output)
+        load.requests = max(0, load.requests + requests)
+        engine.inflight = load.requests
+
+
+class Claim:
+    """One request's share of one engine's load (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, engine: Engine, prompt_tokens: int, output_tokens: int):
+        self._ledger = ledger
+        self.engine = engine
+        self.prompt_tokens = 0
+        self.output_tokens = max(0, output_tokens)
+        self._open = True
+        #: The engine had none of this proxy's prompt work when this claim's prompt arrived:
+        #: a timing taken now measures the work alone (queueing would bias a fit).
+        self.was_idle = True
+        ledger._add(engine, 0, self.output_tokens, 1)
+        if prompt_tokens:
+            self.add_prompt(prompt_tokens)
+
+    def add_prompt(self, tokens: int) -> bool:
+        """Queue ``tokens`` of prompt work on the engine; True when it had none queued."""
+        self.was_idle = self._ledger.load(self.engine.name).prompt_tokens == 0
+        tokens = max(0, tokens)
+        if self._open and tokens:
+            self.prompt_tokens += tokens
+            self._ledger._add(self.engine, tokens, 0, 0)
+        return self.was_idle
+
+    def prompt_done(self) -> None:
+        if self.prompt_tokens:
+            self._ledger._add(self.engine, -self.prompt_tokens, 0, 0)
+            self.prompt_tokens = 0
+
+    def output_done(self, tokens: int | None = None) -> None:
+        n = self.output_tokens if tokens is None else min(max(0, tokens), self.output_tokens)
+        if n:
+            self.output_tokens -= n
+            self._ledger._add(self.engine, 0, -n, 0)
+
+    def move_to(self, engine: Engine) -> None:
+        """What is left of this claim now weighs on ``engine`` instead."""
+        if not self._open or engine is self.engine:
+            return
+        prompt, output = self.prompt_tokens, self.output_tokens
+        self._ledger._add(self.engine, -prompt, -output, -1)
+        self.engine = engine
+        if prompt:
+            self.was_idle = self._ledger.load(engine.name).prompt_tokens == 0
+        self._ledger._add(engine, prompt, output, 1)
+
+    def release(self) -> None:
+        if self._open:
+            self._ledger._add(self.engine, -self.prompt_tokens, -self.output_tokens, -1)
+            self.prompt_tokens = self.output_tokens = 0
+            self._open = False
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()

@@ -1,0 +1,74 @@
+"""Where a request goes: its engines and its route, decided once from what is known when it
+arrives. No I/O and no clock: the prompt was measured before (``proxy/tokenizer_pool.py``).
+
+``make_plan`` picks the decode engine with the least outstanding work after this request (its
+prompt tokens that engine has not cached, plus its output budget), then the prefill engine the
+same way among the others (prompt tokens only), and asks the policy for the route of that
+pair, telling it how many streams decode on that engine and the request's latency targets.
+The pool remembers the picks (ties rotate), so picking is the one side effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from proxy.costs import RouteCosts
+from proxy.errors import NoEngineAvailable
+from proxy.policy import Decision, PolicyMode, RouteInputs, Targets, decide
+from proxy.pool import Engine, EnginePool
+from proxy.requests import ApiRequest
+from proxy.tokens import PromptTokens
+
+
+@dataclass(frozen=True)
+class Plan:
+    decision: Decision
+    prefill: Engine | None
+    decode: Engine
+    prompt_chars: int
+    #: Exact when the prompt was measured, else estimated from its characters.
+    prompt_tokens: int
+    decode_cached_tokens: int
+    output_budget: int
+
+    @property
+    def decode_new_tokens(self) -> int:
+        """Prompt tokens the decode engine must load or compute (not in its own cache)."""
+        return max(0, self.prompt_tokens - self.decode_cached_tokens)
+
+
+def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: PolicyMode,
+              prompt_chars: int, measured: PromptTokens | None, output_budget: int,
+              load: Callable[[Engine], float], prefill: Engine | None = None,
+              decode: Engine | None = None, targets: Targets | None = None) -> Plan:
+    """``prefill``/``decode`` pin the engines (start-up probes); ``load`` is an engine's
+    outstanding work in tokens (``RouteCosts.load_tokens`` with its foreign requests)."""
+    tokens = measured.n_tokens if measured else costs.token_ratio.tokens(prompt_chars)
+    hits: dict[str, int] = {}
+
+    def cached(engine: Engine) -> int:  # once per engine: picking and deciding both ask
+        if engine.name not in hits:
+            hits[engine.name] = (engine.index.cached_keys(measured.keys(engine.index.block_size))
+                                 if measured else 0)
+        return hits[engine.name]
+
+    decode = decode or pool.pick_decode(lambda e: load(e) + tokens - cached(e) + output_budget)
+    if decode is None:
+        raise NoEngineAvailable("no decode engine is available")
+    prefill = prefill or pool.pick_prefill(lambda e: load(e) + tokens - cached(e),
+                                           exclude=decode)
+    inputs = costs.inputs(
+        prefill.name if prefill else None, decode.name,
+        prefill.foreign_requests if prefill else 0, decode.foreign_requests,
+        prefill.mean_prompt_tokens if prefill else None,
+    )
+    # Streams decoding there now: this proxy's (it relays them) and other clients' requests.
+    streams = costs.tracker(decode.name).streams + decode.foreign_requests
+    decision = decide(policy, RouteInputs(
+        prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
+        decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
+        costs=inputs, streams=streams, targets=targets))
+    if req.force_route is not None and (req.force_route == "local" or prefill is not None):
+        decision = replace(decision, route=req.force_route, reason="forced")
+    return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget)

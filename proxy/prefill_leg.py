@@ -1,0 +1,77 @@
+"""The prefill leg: the prefill engine computes the prompt and hands its KV over.
+
+``run_prefill`` returns the hand-off, or None when the prefill engine failed (the request is
+then served locally; ``pd_fallbacks_total{reason}`` says why). A 4xx from the engine is the
+client's fault and is raised as such. The prompt work is claimed on the prefill engine for the
+call and released whatever happens; a cancellation (the client left) closes the request, which
+makes vLLM abort it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from proxy.costs import RouteCosts
+from proxy.deadlines import Deadlines
+from proxy.engine_bodies import prefill_body
+from proxy.engine_client import EngineTimeout, EngineUnreachable
+from proxy.errors import from_engine_error
+from proxy.ledger import Ledger
+from proxy.metrics import ProxyMetrics
+from proxy.plan import Plan
+from proxy.pool import EnginePool
+from proxy.requests import ApiRequest
+from proxy.trace import Trace
+from transport import kv_params
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillLeg:
+    pool: EnginePool
+    ledger: Ledger
+    costs: RouteCosts
+    deadlines: Deadlines
+    metrics: ProxyMetrics
+
+    async def run(self, req: ApiRequest, plan: Plan, trace: Trace
+                  ) -> kv_params.PrefillHandoff | None:
+        prefill = plan.prefill
+        assert prefill is not None
+        t0 = time.perf_counter()
+        with self.ledger.claim(prefill, prompt_tokens=plan.prompt_tokens) as claim:
+            # Timed alone: nothing else queued there, and no stream decoding there (a pool
+            # engine may be doing both).
+            idle = claim.was_idle and self.costs.tracker(prefill.name).streams == 0
+            try:
+                reply = await prefill.client.post_json(
+                    req.path, prefill_body(req.body, req.kv_limits),
+                    {"x-request-id": req.request_id}, self.deadlines.prefill_s)
+                if 400 <= reply.status < 500:
+                    raise from_engine_error(reply.status, reply.body)
+                if reply.status != 200:
+                    return self._fallback("prefill_error")
+                handoff = kv_params.parse_prefill_json(reply.body)
+            except EngineUnreachable:
+                self.pool.mark_down(prefill)
+                return self._fallback("prefill_unreachable")
+            except EngineTimeout:
+                return self._fallback("prefill_timeout")
+            except kv_params.HandoffError:
+                return self._fallback("bad_handoff")
+        seconds = time.perf_counter() - t0
+        n = handoff.num_prompt_tokens
+        self.costs.observe_prompt(plan.prompt_chars, n)
+        if idle:
+            new = n - handoff.cached_tokens
+            trace.defer(lambda: self.costs.observe_remote_prefill(prefill.name, new, seconds))
+        return handoff
+
+    def _fallback(self, reason: str) -> kv_params.PrefillHandoff | None:
+        """No hand-off (the request is served locally), counted by ``reason``."""
+        log.warning("prefill failed (%s): serving locally", reason)
+        self.metrics.fallbacks_total.labels(reason).inc()
+        return None

@@ -1,0 +1,57 @@
+"""Relay a decode stream to the client, bytes exactly as the engine framed them.
+
+Yields each chunk as it arrives (the client has it before any bookkeeping runs), then, when the
+engine fails mid-stream, one :class:`~proxy.errors.ProxyError` for the renderer to turn into an
+in-band error event (``proxy/render.py``). Whatever way the stream ends (done, engine lost or
+silent, client gone) the decode request is closed (vLLM aborts it) and the request's decode
+claim released, in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from proxy.decode_leg import DecodeLeg
+from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
+from proxy.errors import ProxyError, StageTimeout, UpstreamError
+
+_DONE = b"data: [DONE]"
+
+
+async def relay(leg: DecodeLeg, stream: EngineStream, total_s: float, metrics, pool
+                ) -> AsyncIterator[bytes | ProxyError]:
+    t_first = 0.0
+    tail = b""
+    try:
+        async with asyncio.timeout(total_s):
+            async for chunk in stream.chunks():
+                # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the client
+                # before this generator resumes.
+                if not t_first:
+                    t_first = time.perf_counter()
+                    yield chunk
+                    leg.first_byte(t_first)
+                else:
+                    yield chunk
+                tail = (tail + chunk)[-32:]
+                leg.frames(time.perf_counter(), chunk.count(b"data: "))
+        if _DONE not in tail:
+            raise EngineUnreachable("decode stream ended without [DONE]")
+    except (EngineUnreachable, EngineTimeout, TimeoutError) as exc:
+        lost = isinstance(exc, EngineUnreachable)
+        metrics.stream_errors_total.labels("decode_lost" if lost else "decode_timeout").inc()
+        if lost:
+            pool.mark_down(leg.decode)
+        yield (UpstreamError("the decode engine failed mid-stream") if lost
+               else StageTimeout("the decode engine stalled mid-stream"))
+    except (asyncio.CancelledError, GeneratorExit):
+        # The client went away: closing the decode stream (below) makes vLLM abort it.
+        metrics.client_disconnects_total.labels("streaming").inc()
+        raise
+    finally:
+        stream.close()
+        leg.ended(time.perf_counter())
+        metrics.stage_seconds.labels("total", leg.route).observe(
+            time.perf_counter() - leg.trace.t_start)

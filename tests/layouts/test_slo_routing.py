@@ -1,0 +1,126 @@
+"""SLO-aware routing on real engines (1P+1D on the pool, ``auto``, the arrival's own ``slo``):
+with streams decoding on the decode engine a long arrival is disaggregated, which leaves their
+gaps near their gaps at rest; with the decode engine idle the same kind of arrival goes local;
+and the local route, forced, is what would have stalled them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.prompts import text_of_tokens
+from tests.layouts.test_layouts import route
+
+#: tiny model here: ~30k prompt tokens/s, so a 2,048-token chunk is ~70 ms in one step,
+#: against ~5 ms per decode step at rest.
+LONG = 3000
+SLO = {"ttft_ms": 10_000, "itl_ms": 25}
+
+
+def arrival(stack, seed: int) -> dict:
+    return {"model": stack.model_name, "prompt": text_of_tokens(LONG, seed=seed),
+            "max_tokens": 2, "temperature": 0, "stream": True, "slo": SLO}
+
+
+def send(stack, body: dict) -> tuple[float, float, str]:
+    """Stream ``body`` through the proxy: (sent, first data, route)."""
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=120) as c, c.stream(
+            "POST", stack.proxy_url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return t0, time.perf_counter(), r.headers["x-pd-route"]
+    raise AssertionError("no data")
+
+
+class Streams:
+    """Long greedy answers streaming through the proxy; every token's arrival time kept."""
+
+    def __init__(self, stack, n: int = 2):
+        self.times: list[list[float]] = [[] for _ in range(n)]
+        self._threads = [threading.Thread(target=self._run, args=(stack, i), daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, stack, i: int) -> None:
+        body = {"model": stack.model_name, "prompt": f"story {i}", "max_tokens": 3000,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=300) as c, c.stream(
+                "POST", stack.proxy_url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    self.times[i].append(time.perf_counter())
+
+    def worst_gap(self, t0: float, t1: float) -> float:
+        """The longest gap between two tokens of a stream that ends within [t0, t1]."""
+        return max((b - a for ts in self.times for a, b in zip(ts, ts[1:]) if t0 < b <= t1),
+                   default=0.0)
+
+    def gaps(self, t0: float, t1: float) -> list[float]:
+        return sorted(b - a for ts in self.times for a, b in zip(ts, ts[1:]) if t0 < b <= t1)
+
+    def join(self) -> None:
+        for t in self._threads:
+            t.join(300)
+
+
+def decisions(stack, route_: str, reason: str) -> float:
+    """``pd_decisions_total{route, reason}`` from the proxy's /metrics."""
+    text = httpx.get(stack.proxy_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pd_decisions_total" and sample.labels == {
+                    "route": route_, "reason": reason}:
+                return sample.value
+    return 0.0
+
+
+def test_a_long_arrival_is_disaggregated_only_while_streams_decode(pool_stack):
+    stack = pool_stack
+    route(stack, policy="auto", prefill=["engine-0"], decode=["engine-1"])
+    try:
+        # Idle decode engine: computing the prompt there is the faster first token.
+        before = decisions(stack, "local", "slo_most_slack")
+        assert send(stack, arrival(stack, 1))[2] == "local"
+        assert decisions(stack, "local", "slo_most_slack") == before + 1
+
+        streams = Streams(stack)
+        deadline = time.monotonic() + 60
+        while min(len(ts) for ts in streams.times) < 20:  # both streams decoding
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        rest0 = time.perf_counter()
+        time.sleep(1.0)
+        rest = streams.gaps(rest0, time.perf_counter())
+
+        before = decisions(stack, "disaggregated", "slo_protects_streams")
+        t0, t1, taken = send(stack, arrival(stack, 2))
+        assert taken == "disaggregated"
+        assert decisions(stack, "disaggregated", "slo_protects_streams") == before + 1
+        time.sleep(0.3)  # the step that took its KV in, and the next ones
+        protected = streams.worst_gap(t0, t1 + 0.3)
+
+        # The same kind of arrival forced local: what the decision spared the streams.
+        route(stack, idle=False, policy="local")  # (the streams go on)
+        t0, t1, taken = send(stack, arrival(stack, 3))
+        assert taken == "local"
+        time.sleep(0.3)
+        stalled = streams.worst_gap(t0, t1 + 0.3)
+        assert min(len(ts) for ts in streams.times) < 3000, "the streams ended too early"
+        route(stack, idle=False, policy="auto")
+
+        p99_rest = rest[int(0.99 * (len(rest) - 1))]
+        print(f"gaps: at rest p50 {rest[len(rest) // 2] * 1e3:.1f} ms, p99 "
+              f"{p99_rest * 1e3:.1f} ms; worst during the disaggregated arrival "
+              f"{protected * 1e3:.1f} ms, during the local one {stalled * 1e3:.1f} ms")
+        assert stalled > 3 * p99_rest  # a local prefill really stalls them
+        assert protected < stalled / 2  # ... and disaggregating spared them most of it
+        assert protected < max(3 * p99_rest, p99_rest + SLO["itl_ms"] / 1e3)
+    finally:
+        route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])

@@ -1,0 +1,109 @@
+"""``auto`` with latency targets: the arriving request's TTFT and the gaps it would put between
+the tokens of the streams decoding on its decode engine, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.policy import CostInputs, PolicyMode, RouteInputs, Targets, decide, predict_gaps
+from transport.cost import LinkModel, PrefillModel, StepModel
+
+AUTO = PolicyMode("auto")
+KVB = 4096
+# A decode engine that computes 4,000 prompt tokens/s; its steps cost 5 ms + 0.25 ms per
+# prompt token in the step + 0.5 ms per stream (a 1,000-token chunk: 255 ms beside them).
+STEP = StepModel(fixed_s=0.005, prefill_s=0.00025, stream_s=0.0005, kv_in_s=0.00001)
+
+
+def costs(link_fixed_s: float = 0.02, prefill_queue_s: float = 0.0, step=STEP,
+          chunk: int = 512) -> CostInputs:
+    return CostInputs(
+        kv_bytes_per_token=KVB,
+        remote_prefill=PrefillModel(fixed_s=0.01, tokens_per_s=4000),
+        local_prefill=PrefillModel(fixed_s=0.01, tokens_per_s=4000),
+        link=LinkModel(fixed_s=link_fixed_s, bytes_per_s=1e9),
+        prefill_queue_s=prefill_queue_s, decode_step=step, chunk_tokens=chunk)
+
+
+T = Targets(ttft_s=1.0, itl_s=0.05)
+
+# (name, inputs, expected route, expected reason)
+CASES = [
+    ("no targets: today's rule, local is faster",
+     RouteInputs(1000, costs=costs(), streams=4), "local", "recompute_cheaper"),
+    ("empty targets: today's rule",
+     RouteInputs(1000, costs=costs(), streams=4, targets=Targets()), "local",
+     "recompute_cheaper"),
+    ("streams decoding: a local prefill would stall them, disaggregate",
+     RouteInputs(1000, costs=costs(), streams=4, targets=T), "disaggregated",
+     "slo_protects_streams"),
+    ("no streams running: both meet, local has more TTFT slack",
+     RouteInputs(1000, costs=costs(), streams=0, targets=T), "local", "slo_most_slack"),
+    ("a short prompt: both meet, its KV-in step leaves the streams more slack",
+     RouteInputs(80, costs=costs(), streams=4, targets=T), "disaggregated", "slo_most_slack"),
+    ("a short prompt, the link slow to start: both meet, local has more slack",
+     RouteInputs(80, costs=costs(link_fixed_s=0.9), streams=4, targets=T), "local",
+     "slo_most_slack"),
+    ("fully cached on decode: nothing to prefill, local",
+     RouteInputs(1000, decode_cached_tokens=1000, costs=costs(), streams=4, targets=T),
+     "local", "slo_most_slack"),
+    ("no prefill engine: local whatever the targets",
+     RouteInputs(1000, prefill_available=False, costs=costs(), streams=4, targets=T), "local",
+     "prefill_unavailable"),
+    ("TTFT target only: the faster route",
+     RouteInputs(1000, costs=costs(), streams=4, targets=Targets(ttft_s=1.0)), "local",
+     "slo_most_slack"),
+    ("a congested prefill engine misses the TTFT target, local does not",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
+                 targets=Targets(ttft_s=1.0)), "local", "slo_ttft_target"),
+    ("both miss: the streams' violation outweighs one arrival's",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4, targets=T),
+     "disaggregated", "slo_least_violation"),
+    ("both miss with one stream: the arrival's TTFT violation weighs more",
+     RouteInputs(1000, costs=costs(prefill_queue_s=20.0), streams=1, targets=T),
+     "local", "slo_least_violation"),
+    ("no step model yet: gaps unknown, TTFT decides",
+     RouteInputs(1000, costs=costs(step=None), streams=4, targets=T), "local",
+     "slo_most_slack"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "route", "reason"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_decision(inputs, route, reason):
+    d = decide(AUTO, inputs)
+    assert (d.route, d.reason) == (route, reason)
+
+
+def test_gaps_predicted_per_route():
+    inputs = RouteInputs(1000, costs=costs(chunk=512), streams=4, targets=T)
+    disagg, local = predict_gaps(inputs, inputs.costs)
+    assert local == pytest.approx(STEP.seconds(512, 4))  # the largest chunk beside them
+    assert disagg == pytest.approx(STEP.seconds(0, 4, kv_tokens=1000))
+    d = decide(AUTO, inputs)
+    assert d.predicted_gap_s() == d.gap_disaggregated_s
+    assert predict_gaps(RouteInputs(1000, costs=costs(), streams=0), costs()) == (None, None)
+
+
+def test_the_streams_decoding_beside_a_local_prefill_lengthen_its_ttft():
+    alone = decide(AUTO, RouteInputs(2000, costs=costs(chunk=512), streams=0))
+    busy = decide(AUTO, RouteInputs(2000, costs=costs(chunk=512), streams=8))
+    # 4 chunks, each step also decodes the 8 streams: 4 x 8 x 0.5 ms more.
+    assert busy.predicted_local_s - alone.predicted_local_s == pytest.approx(0.016)
+    assert busy.predicted_disaggregated_s == alone.predicted_disaggregated_s
+
+
+def test_slacks_within_the_tie_margin_go_local():
+    # Disaggregated 2 % faster against a 1 s target: not worth moving the KV for.
+    near = CostInputs(KVB, PrefillModel(0.0, 4000), PrefillModel(0.0, 4000 * 0.95),
+                      LinkModel(0.0, 1e18), decode_step=STEP)
+    d = decide(AUTO, RouteInputs(400, costs=near, streams=0, targets=Targets(ttft_s=1.0)))
+    assert d.predicted_disaggregated_s < d.predicted_local_s
+    assert (d.route, d.reason) == ("local", "slo_most_slack")
+
+
+def test_ties_go_to_the_faster_route_then_local():
+    equal = CostInputs(KVB, PrefillModel(0.0, 4000), PrefillModel(0.0, 4000),
+                       LinkModel(0.0, 1e18), decode_step=STEP)
+    d = decide(AUTO, RouteInputs(100, costs=equal, streams=0, targets=Targets(ttft_s=10.0)))
+    assert (d.route, d.reason) == ("local", "slo_most_slack")

@@ -1,0 +1,32 @@
+"""A request's own latency targets (``slo``): validated at the proxy (400, no engine called),
+used for its decision, never forwarded to an engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from live_proxy import live_proxy, proxy_config
+
+BODY = {"model": "m", "prompt": "hello there", "max_tokens": 4}
+
+
+async def test_slo_is_taken_out_and_never_reaches_an_engine(prefill, decode):
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        r = await c.post(lp.url + "/v1/completions",
+                         json=dict(BODY, slo={"ttft_ms": 500, "itl_ms": 40}))
+        assert r.status_code == 200, r.text
+    sent = [*prefill.prefill_requests, *decode.decode_requests]
+    assert sent and all("slo" not in rec.body for rec in sent)
+
+
+@pytest.mark.parametrize("slo", [
+    [], "fast", {"ttft_ms": 0}, {"ttft_ms": -5}, {"itl_ms": "40"}, {"itl_ms": True},
+    {"ttft_ms": 1e12}, {"ttft": 500}, {"ttft_ms": 500, "p99": 1}, None,
+])
+async def test_bad_slo_is_a_400_and_no_engine_is_called(prefill, decode, slo):
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        r = await c.post(lp.url + "/v1/completions", json=dict(BODY, slo=slo))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "slo" and err["type"] == "invalid_request_error"
+    assert prefill.completion_requests == [] and decode.completion_requests == []

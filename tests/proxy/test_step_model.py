@@ -1,0 +1,129 @@
+"""The decode step-time model: fitted from recorded samples (chunked prefills, an outlier), and
+the samples read off relayed streams by the step tracker."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.estimators import StepFit
+from proxy.step_tracker import KEEP_DONE_S, StepTracker
+from transport.cost import StepModel
+
+TRUE = StepModel(fixed_s=0.004, prefill_s=0.0002, stream_s=0.0005, kv_in_s=0.00001)
+PRIOR = StepModel(fixed_s=0.01, prefill_s=0.001, stream_s=0.001, kv_in_s=0.0)
+
+
+def recorded(chunk: int = 512) -> list[tuple[int, int, int, float]]:
+    """Steps of an engine with 1-6 streams: plain decode steps, steps that carry a chunk of a
+    2,000-token prompt split at ``chunk`` tokens, and steps during KV pulls."""
+    rows = []
+    for streams in range(1, 7):
+        rows += [(0, streams, 0, TRUE.seconds(0, streams))] * 6
+        left = 2000
+        while left > 0:
+            part = min(chunk, left)
+            rows.append((part, streams, 0, TRUE.seconds(part, streams)))
+            left -= part
+        rows.append((0, streams, 800, TRUE.seconds(0, streams, 800)))
+    return rows
+
+
+def test_fits_recorded_steps_including_chunked_prefills():
+    fit = StepFit()
+    for row in recorded():
+        fit.observe(*row)
+    m = fit.model(PRIOR)
+    assert m.fixed_s == pytest.approx(TRUE.fixed_s, rel=0.05)
+    assert m.prefill_s == pytest.approx(TRUE.prefill_s, rel=0.05)
+    assert m.stream_s == pytest.approx(TRUE.stream_s, rel=0.05)
+    assert m.kv_in_s == pytest.approx(TRUE.kv_in_s, rel=0.1)
+    # What the decision asks: a step carrying a 512-token chunk beside 4 streams.
+    assert m.seconds(512, 4) == pytest.approx(TRUE.seconds(512, 4), rel=0.03)
+
+
+def test_an_outlier_does_not_bend_the_fit():
+    fit = StepFit()
+    rows = recorded()
+    rows.insert(10, (0, 2, 0, 2.5))  # one step stalled by something else (a GC, the OS)
+    for row in rows:
+        fit.observe(*row)
+    assert fit.model(PRIOR).seconds(512, 4) == pytest.approx(TRUE.seconds(512, 4), rel=0.05)
+
+
+def test_terms_never_seen_keep_the_prior():
+    fit = StepFit()
+    for streams in range(1, 6):  # decode steps only: nothing says what a prefill costs
+        for _ in range(4):
+            fit.observe(0, streams, 0, TRUE.seconds(0, streams))
+    m = fit.model(PRIOR)
+    assert m.prefill_s == PRIOR.prefill_s and m.kv_in_s == PRIOR.kv_in_s
+    assert m.stream_s == pytest.approx(TRUE.stream_s, rel=0.05)
+
+
+def test_a_few_prompt_tokens_do_not_make_a_prefill_term():
+    """Streams starting beside each other put a few prompt tokens in some steps: too narrow a
+    range to say what a long prompt's chunk costs, so the prior's term stays."""
+    fit = StepFit()
+    for streams in range(1, 6):
+        for p in (0, 3, 0, 5):
+            fit.observe(p, streams, 0, TRUE.seconds(0, streams) + 0.0001 * (p == 5))
+    assert fit.model(PRIOR).prefill_s == PRIOR.prefill_s
+
+
+def test_too_few_samples_is_the_prior():
+    fit = StepFit(min_samples=8)
+    for row in recorded()[:5]:
+        fit.observe(*row)
+    assert fit.model(PRIOR) == PRIOR
+
+
+def test_tracker_turns_gaps_and_work_into_samples():
+    samples: list[tuple[float, float, float, float]] = []
+    arrivals: list[tuple[str, float | None, float]] = []
+    t = StepTracker(lambda *s: samples.append(s), lambda r, p, m: arrivals.append((r, p, m)))
+    a, b = object(), object()
+    t.stream_started(a, 0.0)
+    t.stream_started(b, 0.0)  # a second stream: its gaps are the same steps, not reported
+    for i in range(1, 4):
+        t.frame(a, 0.01 * i)
+        t.frame(b, 0.01 * i + 0.001)
+    assert [s[3] for s in samples] == pytest.approx([0.01, 0.01, 0.01])
+    assert all(s[1] == 2 and s[0] == 0 for s in samples)
+    # A local prefill of 300 tokens arrives at 0.03 and gets its first byte at 0.13: the step
+    # carrying it is the gap 0.03-0.135, which ends just after that first byte.
+    t.work_started("x", 0.03, predicted_gap_s=0.1, route="local")
+    t.frame(b, 0.04)  # not the reporter
+    t.work_done("x", 0.13, prefill_tokens=300)
+    held = len(samples)
+    t.frame(a, 0.135)
+    assert len(samples) == held + 1
+    prefill, streams, kv, seconds = samples[-1]
+    assert prefill == pytest.approx(300) and streams == 2 and seconds == pytest.approx(0.105)
+    t.frame(a, 0.145)
+    t.frame(a, 0.13 + KEEP_DONE_S + 1)  # its window for late gaps is over: reported
+    assert arrivals == [("local", 0.1, pytest.approx(0.105))]
+
+
+def test_gaps_wait_for_running_work_and_chunked_work_is_split():
+    samples: list[tuple[float, float, float, float]] = []
+    t = StepTracker(lambda *s: samples.append(s))
+    s = object()
+    t.stream_started(s, 0.0)
+    t.work_started("long", 0.0)
+    for ts in (0.1, 0.2, 0.3, 0.4):  # four chunk steps while a 2,000-token prompt runs
+        t.frame(s, ts)
+    assert samples == []  # the prompt may still claim them
+    t.work_done("long", 0.4, prefill_tokens=2000)
+    assert [round(x[0]) for x in samples] == [500, 500, 500, 500]
+
+
+def test_the_reporter_hands_over_when_its_stream_ends():
+    samples: list[tuple[float, float, float, float]] = []
+    t = StepTracker(lambda *s: samples.append(s))
+    a, b = object(), object()
+    t.stream_started(a, 0.0)
+    t.stream_started(b, 0.0)
+    t.frame(b, 0.5)
+    t.stream_ended(a)
+    t.frame(b, 0.6)
+    assert [x[3] for x in samples] == [pytest.approx(0.1)] and samples[0][1] == 1

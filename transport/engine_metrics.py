@@ -1,0 +1,63 @@
+"""The one reader of a vLLM engine's ``/metrics``: Prometheus text into typed values.
+
+:func:`sample_sums` parses the text with ``prometheus_client``'s parser and sums every sample
+over its labels, by sample name (``vllm:prompt_tokens_total``, ``vllm:nixl_xfer_time_seconds_sum``
+...). :func:`engine_load` reads the few series the proxy routes by into a frozen
+:class:`EngineLoad`; it parses only their lines (the proxy reads every engine every second, on
+its event loop, and a whole vLLM page is tens of kilobytes of histograms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+FINISHED = "vllm:request_success_total"
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+NIXL_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
+NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+_LOAD_SERIES = (RUNNING, WAITING, PROMPT_TOKENS, FINISHED, NIXL_BYTES, NIXL_SECONDS,
+                NIXL_TRANSFERS)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What one look at an engine's metrics says about its load (every series summed over its
+    labels; counters are totals since the engine started)."""
+
+    requests_running: float = 0.0
+    requests_waiting: float = 0.0
+    prompt_tokens: float = 0.0
+    requests_finished: float = 0.0
+    #: NIXL's own view of the KV this (decode) engine pulled: bytes, wire seconds, transfers.
+    nixl_bytes: float = 0.0
+    nixl_seconds: float = 0.0
+    nixl_transfers: float = 0.0
+
+    @property
+    def requests(self) -> int:
+        """Running + waiting."""
+        return int(self.requests_running + self.requests_waiting)
+
+
+def sample_sums(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text page summed over its label sets, by sample name."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def engine_load(text: str) -> EngineLoad:
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(_LOAD_SERIES))
+    sums = sample_sums(lines + "\n") if lines else {}
+    return EngineLoad(
+        requests_running=sums.get(RUNNING, 0.0), requests_waiting=sums.get(WAITING, 0.0),
+        prompt_tokens=sums.get(PROMPT_TOKENS, 0.0), requests_finished=sums.get(FINISHED, 0.0),
+        nixl_bytes=sums.get(NIXL_BYTES, 0.0), nixl_seconds=sums.get(NIXL_SECONDS, 0.0),
+        nixl_transfers=sums.get(NIXL_TRANSFERS, 0.0))
