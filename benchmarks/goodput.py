@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-fractions", default=None, help="of the measured capacity")
     p.add_argument("--ttft-factor", type=float, default=4.0)
     p.add_argument("--itl-factor", type=float, default=3.0)
+    p.add_argument("--arms", default=None,
+                   help="which arms (default: all): aggregated, disaggregated, threshold, auto, "
+                        "slo, slo_pool and any --extra-arm")
     p.add_argument("--extra-arm", action="append", default=[],
                    help="name=policy or name=policy@pool (both engines prefill and decode)")
     p.add_argument("--quick", action="store_true",
@@ -301,6 +304,9 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
         for workload in workloads:
             mix = WORKLOADS[workload]
             arms = arm_routings(workload, extra)
+            if args.arms:
+                wanted = set(args.arms.split(",")) | {"aggregated"}  # the baseline, always
+                arms = {a: r for a, r in arms.items() if a in wanted}
             rng = random.Random(args.seed)
             # Unloaded figures: one request at a time on an idle aggregated deployment.
             set_routing(proxy, arms["aggregated"])

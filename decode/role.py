@@ -8,11 +8,6 @@ streams one chunk per step, not for a whole long prompt.
 
 from __future__ import annotations
 
-from transport.connector import Role
-
-ROLE: Role = "decode"
-
-
 #: Prompt tokens (with the decoding streams' tokens) one step of a decode engine computes.
 CHUNK_TOKENS = 2048
 

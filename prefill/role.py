@@ -1,14 +1,10 @@
 """The prefill role: compute prompts, hold their KV for a decode engine to pull.
 
 A prefill request asks for exactly one token, so the whole prompt should run as one engine step:
-the batch budget is raised to the context length (no chunking) and few sequences run at once.
+the batch budget is raised to the context length (no chunking).
 """
 
 from __future__ import annotations
-
-from transport.connector import Role
-
-ROLE: Role = "prefill"
 
 
 def vllm_args(max_model_len: int) -> list[str]:
