@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
-from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.engines import EngineSpec, check_kv_capacity, default_dtype, detect_device
 from launch.isolation import guard
 from launch.processes import (
     EngineProcess,
@@ -180,6 +180,9 @@ def run_dev(opts: DevOptions) -> int:
     engines: list[EngineProcess] = []
     link: ThrottledLink | None = None
     supervisor: Supervisor | None = None
+    device = detect_device()
+    check_kv_capacity(device, opts.max_model_len, opts.kv_blocks, opts.kv_cache_gib,
+                      model_kv_bytes_per_token(opts.model_path, default_dtype(device)))
     if opts.link_mbit is not None and opts.layout != "disaggregated":
         raise ValueError("--link-mbit puts the prefill engine behind the link: it needs "
                          "--layout disaggregated")

@@ -56,6 +56,32 @@ class EngineSpec:
         return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
 
 
+#: vLLM 0.32's KV block size when none is given: 128 tokens on the CPU platform (non-MLA
+#: attention), 16 on CUDA.
+DEFAULT_BLOCK_TOKENS: dict[str, int] = {"cpu": 128, "cuda": 16}
+
+
+def check_kv_capacity(device: Device, max_model_len: int, kv_blocks: int | None,
+                      kv_cache_gib: int, kv_bytes_per_token: int | None) -> None:
+    """Refuse, before any engine starts, a KV cache that cannot hold one request of the
+    maximum length: vLLM would fail at start-up with the reason 20 lines up its log."""
+    if kv_blocks is not None:
+        block = DEFAULT_BLOCK_TOKENS[device]
+        if kv_blocks * block < max_model_len:
+            need = -(-max_model_len // block)
+            raise ValueError(
+                f"--kv-blocks {kv_blocks} holds {kv_blocks * block} tokens ({block} per block "
+                f"on {device}), less than one request of --max-model-len {max_model_len}: give "
+                f"at least {need} blocks or a smaller --max-model-len")
+    if device == "cpu" and kv_bytes_per_token:
+        tokens = kv_cache_gib * 2**30 // kv_bytes_per_token
+        if tokens < max_model_len:
+            raise ValueError(
+                f"--kv-cache-gib {kv_cache_gib} holds {tokens} tokens of this model's KV "
+                f"({kv_bytes_per_token} bytes each), less than one request of --max-model-len "
+                f"{max_model_len}")
+
+
 def detect_device() -> Device:
     try:
         import torch

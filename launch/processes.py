@@ -7,6 +7,7 @@ SIGTERM to the group, waits, then SIGKILLs what is left.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +21,13 @@ from pathlib import Path
 
 from launch.engines import EngineSpec, engine_argv, engine_env
 from launch.isolation import confine, parse_cores
+
+#: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, ``RuntimeError: ...`` (a traceback's end).
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit)\b[\w.]*: ")
+
+
+#: vLLM prefixes its engine-core process's lines: ``(EngineCore_DP0 pid=123) ...``.
+_PROCESS_PREFIX = re.compile(r"^\([^)]*\)\s*")
 
 
 class PortBusy(RuntimeError):
@@ -67,6 +75,20 @@ class EngineProcess:
             lines = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
             return ""
+        return lines[-1][-160:] if lines else ""
+
+    def root_cause(self) -> str:
+        """The line of the engine's log that says why it died: the last exception raised that
+        is not vLLM's "see root cause above" wrapper (an engine's last line is usually a
+        warning printed while it shut down), else the last line."""
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            text = _PROCESS_PREFIX.sub("", line.strip())
+            if _EXCEPTION_LINE.match(text) and "root cause above" not in text:
+                return text[-300:]
         return lines[-1][-160:] if lines else ""
 
     def healthy(self) -> bool:
@@ -139,8 +161,8 @@ def wait_ready(
         for e in list(pending):
             if not e.alive():
                 raise EngineFailed(
-                    f"{e.name} exited with code {e.popen.returncode}; last log line: "
-                    f"{e.last_log_line()!r} (full log: {e.log_path})"
+                    f"{e.name} exited with code {e.popen.returncode}: {e.root_cause()!r} "
+                    f"(full log: {e.log_path})"
                 )
             if e.healthy():
                 pending.remove(e)

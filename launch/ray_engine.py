@@ -189,7 +189,7 @@ class EngineHost:
                 pass
             if not ready:
                 self.failed = (f"engine exited with {self.proc.popen.returncode} before it was "
-                               f"ready: {self.proc.last_log_line()!r} (log: {self.proc.log_path})")
+                               f"ready: {self.proc.root_cause()!r} (log: {self.proc.log_path})")
                 log.error("%s: %s", self.name, self.failed)
                 return
             log.error("%s: engine exited with %s; exiting so Ray restarts this actor",

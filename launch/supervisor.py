@@ -88,8 +88,8 @@ class Supervisor:
         if watch.retry_at is None:  # just found dead
             quick = now - watch.started < self._quick_s
             watch.quick_deaths = watch.quick_deaths + 1 if quick else 1
-            log.warning("%s exited with code %s; last log line: %r", engine.name,
-                        engine.popen.returncode, engine.last_log_line())
+            log.warning("%s exited with code %s: %r", engine.name,
+                        engine.popen.returncode, engine.root_cause())
             if watch.quick_deaths > self._max_quick_deaths:
                 watch.gave_up = True
                 log.error("%s died %d times within %.0fs of starting: left down (log: %s)",

@@ -46,6 +46,8 @@ def parse_admin(model: type[BaseModel], raw: bytes) -> Any:
         return model.model_validate(msgspec.json.decode(raw) if raw else {})
     except msgspec.DecodeError:
         raise InvalidRequest("request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply") from None
     except ValidationError as exc:
         first = exc.errors()[0]
         where = first.get("loc") or ()

@@ -29,6 +29,7 @@ from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
 from proxy.directory import Directory, Scaler
 from proxy.errors import (
+    InternalError,
     InvalidRequest,
     MethodNotAllowed,
     NoEngineAvailable,
@@ -243,8 +244,16 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         Route("/pd/admin/routing", guarded(get_routing), methods=["GET"]),
         Route("/pd/admin/routing", guarded(set_routing), methods=["POST"]),
     ]
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """Whatever escaped a route: logged, and an OpenAI-style 500 (never a traceback or a
+        plain-text body)."""
+        log.error("unhandled error on %s %s", request.method, request.url.path,
+                  exc_info=exc)
+        return error_response(InternalError("internal error while serving the request"))
+
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={StarletteHTTPException: route_error})
+                     exception_handlers={StarletteHTTPException: route_error,
+                                         Exception: internal_error})
 
 
 def check_prompt_fits(config: ProxyConfig, service: ProxyService, body: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@
     │   ├── UnsupportedMediaType  415 invalid_request_error
     │   └── HeadersTooLarge       431 invalid_request_error
     └── ServerError (5xx)
+        ├── InternalError         500 internal_error     (a bug of ours; logged, never shown)
         ├── UpstreamError         502 upstream_error     (an engine failed or answered garbage)
         ├── Overloaded            503 overloaded_error   (admission control; carries Retry-After)
         ├── NoEngineAvailable     503 service_unavailable
@@ -87,6 +88,10 @@ class MethodNotAllowed(ClientError):
 class ServerError(ProxyError):
     status = 500
     type = "internal_error"
+
+
+class InternalError(ServerError):
+    """A bug of ours: nothing a client sent or an engine did explains it."""
 
 
 class UpstreamError(ServerError):

@@ -95,6 +95,8 @@ def parse_body(raw: bytes, limit_bytes: int) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except (ValueError, UnicodeDecodeError):  # msgspec.DecodeError is a ValueError
         raise InvalidRequest("request body is not valid JSON") from None
+    except RecursionError:  # a small body of deeply nested arrays or objects
+        raise InvalidRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body
@@ -106,6 +108,48 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return type(v) in (int, float) and math.isfinite(v)
+
+
+#: The roles of the OpenAI chat API (``function`` is its deprecated form of ``tool``).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+#: Content part types per role; text everywhere, media only from the user.
+_PART_TYPES = {"user": ("text", "image_url", "input_audio", "video_url", "file")}
+
+
+def check_message(i: int, m: Any) -> None:
+    """One chat message, as the OpenAI API checks it: a known role; content a string or a list
+    of typed parts (``text`` parts with a string ``text``); content may be absent or null only
+    for an assistant message that calls tools; a tool message names its call."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"{where} must be an object", param="messages")
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}",
+                             param="messages")
+    content = m.get("content")
+    if content is None:
+        if role == "assistant" and m.get("tool_calls"):
+            return
+        raise InvalidRequest(f"{where}.content is required", param="messages")
+    if isinstance(content, str):
+        pass
+    elif isinstance(content, list):
+        allowed = _PART_TYPES.get(role, ("text",))
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in allowed:
+                raise InvalidRequest(f"{where}.content[{j}].type must be one of "
+                                     f"{', '.join(allowed)} for role {role}", param="messages")
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}.content[{j}].text must be a string",
+                                     param="messages")
+    else:
+        raise InvalidRequest(f"{where}.content must be a string or a list of parts",
+                             param="messages")
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+        raise InvalidRequest(f"{where}.tool_call_id is required for role tool",
+                             param="messages")
 
 
 def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[str]) -> bool:
@@ -126,10 +170,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise InvalidRequest(
-                    f"messages[{i}] must be an object with a string role", param="messages"
-                )
+            check_message(i, m)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, str):

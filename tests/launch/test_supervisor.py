@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 import time
@@ -100,3 +102,61 @@ def test_the_thread_restarts_a_killed_engine(tmp_path):
         sup.stop()
         for e in engines:
             e.popen.kill()
+
+
+def test_a_dead_engine_is_reported_by_its_root_cause(tmp_path):
+    """The exception that killed it, not the warning it printed while shutting down."""
+    from launch.engines import EngineSpec
+    from launch.processes import EngineProcess
+
+    log = tmp_path / "decode.log"
+    log.write_text(
+        "INFO 12-01 starting\n"
+        "(EngineCore_DP0 pid=42) Traceback (most recent call last):\n"
+        '(EngineCore_DP0 pid=42)   File "x.py", line 1, in <module>\n'
+        "(EngineCore_DP0 pid=42) ValueError: To serve at least one request with the model's "
+        "max seq len (4096), 1.5 GiB KV cache is needed, which is larger than the available "
+        "KV cache memory (0.1 GiB).\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+        "  warnings.warn('resource_tracker: There appear to be 1 leaked semaphore objects')\n")
+    proc = EngineProcess(EngineSpec("decode", "m", "m", 1, 2), None, log)  # type: ignore[arg-type]
+    assert proc.root_cause().startswith("ValueError: To serve at least one request")
+    log.write_text("INFO starting\nKeyError: 'x'\n  warnings.warn('bye')\n")
+    assert proc.root_cause() == "KeyError: 'x'"
+    log.write_text("INFO starting\nINFO stopping\n")
+    assert proc.root_cause() == "INFO stopping"
+
+
+@pytest.mark.parametrize(("blocks", "gib", "ok"), [(24, 1, False), (32, 1, True), (None, 1, True)])
+def test_a_kv_cache_too_small_for_one_request_is_refused_before_start(blocks, gib, ok):
+    from launch.engines import check_kv_capacity
+
+    if ok:
+        check_kv_capacity("cpu", 4096, blocks, gib, 47104)
+    else:
+        with pytest.raises(ValueError, match="at least 32 blocks"):
+            check_kv_capacity("cpu", 4096, blocks, gib, 47104)
+
+
+def test_a_kv_cache_of_too_few_gib_is_refused_before_start():
+    from launch.engines import check_kv_capacity
+
+    with pytest.raises(ValueError, match="--kv-cache-gib 1 holds"):
+        check_kv_capacity("cpu", 32768, None, 1, 47104)  # 1 GiB: ~22.8k SmolLM2 tokens
+
+
+def test_pdserve_dev_refuses_a_kv_cache_too_small_before_starting_engines(tmp_path):
+    """Tried as a new user would: `pdserve dev --kv-blocks 24` used to wait a minute, then
+    print an engine's last log line; now it names the cause at once, no engine started."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "dev", "--model", "tiny",
+                        "--kv-blocks", "24", "--port", "18990", "--engine-base-port", "18991",
+                        "--log-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "--kv-blocks 24 holds 3072 tokens" in r.stderr and "at least 32 blocks" in r.stderr
+    assert not (tmp_path / "run.json").exists()  # nothing was started
+    assert time.monotonic() - t0 < 60

@@ -124,6 +124,30 @@ BAD: list[tuple[str, Endpoint, dict[str, Any], type[ProxyError], str | None]] = 
     ("second message bad", "chat",
      {"messages": [{"role": "user", "content": "hi"}, {"role": None}]}, InvalidRequest,
      "messages"),
+    # Roles and content shapes, as the OpenAI API checks them (the engine accepts more).
+    ("unknown role", "chat", {"messages": [{"role": "wizard", "content": "hi"}]},
+     InvalidRequest, "messages"),
+    ("user content missing", "chat", {"messages": [{"role": "user"}]}, InvalidRequest,
+     "messages"),
+    ("user content null", "chat", {"messages": [{"role": "user", "content": None}]},
+     InvalidRequest, "messages"),
+    ("content a number", "chat", {"messages": [{"role": "user", "content": 42}]},
+     InvalidRequest, "messages"),
+    ("content an object", "chat", {"messages": [{"role": "user", "content": {"text": "x"}}]},
+     InvalidRequest, "messages"),
+    ("content part without type", "chat",
+     {"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, InvalidRequest,
+     "messages"),
+    ("text part without text", "chat",
+     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, InvalidRequest,
+     "messages"),
+    ("image part from the system", "chat",
+     {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {}}]}]},
+     InvalidRequest, "messages"),
+    ("tool message without its call id", "chat",
+     {"messages": [{"role": "tool", "content": "42"}]}, InvalidRequest, "messages"),
+    ("assistant content null without tool calls", "chat",
+     {"messages": [{"role": "assistant", "content": None}]}, InvalidRequest, "messages"),
     ("missing prompt", "completions", {"prompt": DELETE}, InvalidRequest, "prompt"),
     ("empty prompt", "completions", {"prompt": ""}, InvalidRequest, "prompt"),
     ("empty prompt list", "completions", {"prompt": []}, InvalidRequest, "prompt"),
@@ -208,6 +232,18 @@ def test_strictly_parsed_bodies_round_trip() -> None:
     body = parse_body(raw, LIMIT_BYTES)
     assert body["prompt"] == "hé ✓"
     assert parse_body(_dumps(body), LIMIT_BYTES) == body
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}],
+    [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function",
+                      "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+])
+def test_good_chat_shapes_pass(messages) -> None:
+    assert check_request("chat", dict(base("chat"), messages=messages), SERVED) is False
 
 
 def test_client_params_checked_before_anything_else() -> None:

@@ -30,3 +30,21 @@ async def test_bad_slo_is_a_400_and_no_engine_is_called(prefill, decode, slo):
     err = r.json()["error"]
     assert err["param"] == "slo" and err["type"] == "invalid_request_error"
     assert prefill.completion_requests == [] and decode.completion_requests == []
+
+
+@pytest.mark.parametrize("depth", [1000, 5000])
+@pytest.mark.parametrize("shape", ["array", "object"])
+async def test_deeply_nested_json_is_a_400_not_a_500(prefill, decode, depth, shape):
+    """A small body of deeply nested JSON once made the proxy answer 500 in plain text
+    (msgspec's RecursionError escaped): now an OpenAI-style 400, no engine called."""
+    inner = (b"[" * depth + b"]" * depth) if shape == "array" else (
+        b'{"a":' * depth + b"1" + b"}" * depth)
+    raw = b'{"model": "m", "prompt": "hi", "x": ' + inner + b"}"
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = await c.post(lp.url + path, content=raw,
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            assert r.headers["content-type"].startswith("application/json")
+            assert "nested too deeply" in r.json()["error"]["message"]
+    assert prefill.completion_requests == [] and decode.completion_requests == []
