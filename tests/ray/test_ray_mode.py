@@ -29,6 +29,22 @@ def decodes(stack) -> dict[str, dict]:
     return {n: e for n, e in stack.engines().items() if e["role"] == "decode"}
 
 
+def wait_idle_in_proxy_view(stack, names, timeout_s: float = 30.0) -> None:
+    """Load-based routing tests start from engines the proxy sees as idle: nothing of its own
+    or of another client's owed there, none warming. A request still finishing, or an engine
+    read busy by a probe a moment ago, is load the proxy is right to route around."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = httpx.get(stack.proxy_url + "/pd/costs", timeout=10).json()["engines"]
+        busy = {n: {k: view[n][k] for k in ("load_tokens", "engine_requests", "warming")}
+                for n in names if view[n]["load_tokens"] or view[n]["engine_requests"]
+                or view[n]["warming"] or not view[n]["healthy"]}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"engines not idle in the proxy's view: {busy}"
+        time.sleep(0.2)
+
+
 def test_serves_pd_with_dev_mode_output(ray_stack, golden_outputs):
     engines = ray_stack.engines()
     assert sorted(engines) == ["decode-0", "decode-1", "prefill-0"], engines
@@ -79,6 +95,7 @@ def test_each_engine_tree_stays_on_its_core_and_sharing_is_reported(ray_stack):
 
 def test_load_spreads_across_both_decodes(ray_stack):
     urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
+    wait_idle_in_proxy_view(ray_stack, urls)
     before = {name: success_count(u) for name, u in urls.items()}
     results: list[int] = []
 
@@ -115,6 +132,7 @@ def test_a_long_answer_outweighs_several_short_ones(ray_stack):
     (SIGSTOP) while the short ones are routed: the long answer stays owed, and its engine stays
     healthy in the proxy's view (so health is not what steers them)."""
     urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
+    wait_idle_in_proxy_view(ray_stack, urls)
     body = chat_body(ray_stack.model_name, text_of_tokens(150, seed=77), stream=True)
     body.update(max_tokens=3800, ignore_eos=True)
     results: list[int] = []
