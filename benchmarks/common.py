@@ -1,7 +1,6 @@
 """Shared helpers for the benchmarks.
 
-- :class:`DevStack`: the real stack started the way users start it (``python -m launch.cli dev``
-  as a subprocess), ready when the proxy's ``/health`` answers 200; stopped with SIGTERM.
+- The real stack is started with ``harness.stack`` (the launcher tests use too).
 - :class:`BareEngines`: the same two engines with no proxy in front (nothing warms them up).
 - :class:`Prompts`: chat prompts of an exact token length (tiny model's tokenizer), made of random
   words so no two requests share a prefix-cache block unless asked to.
@@ -23,8 +22,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,7 +192,6 @@ def _json_default(obj: Any) -> Any:
 
 # --- HTTP helpers -----------------------------------------------------------------------------
 
-from tests.e2e.stack import http_status  # noqa: E402  (one GET-status helper for tests and benchmarks)
 
 
 @dataclass
@@ -399,110 +395,6 @@ async def wait_ports_free(ports: Sequence[int], timeout_s: float = 180.0) -> flo
 # --- the real stack ---------------------------------------------------------------------------
 
 
-@dataclass
-class DevStack:
-    """``python -m launch.cli dev`` as a subprocess (the way users start pdserve)."""
-
-    popen: subprocess.Popen
-    proxy_url: str
-    prefill_url: str
-    decode_url: str
-    log_dir: Path
-    t_launch: float
-    t_health: float = 0.0
-    stopped: bool = False
-
-    @property
-    def startup_s(self) -> float:
-        return self.t_health - self.t_launch
-
-    @property
-    def pgids(self) -> list[int]:
-        return [e["pid"] for e in self.run_info().get("engines", [])]
-
-    def output(self) -> str:
-        try:
-            return (self.log_dir / "pdserve-dev.out").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def run_info(self) -> dict[str, Any]:
-        try:
-            return json.loads((self.log_dir / "run.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    @classmethod
-    def start(
-        cls,
-        *,
-        log_dir: Path,
-        port: int,
-        engine_base_port: int,
-        side_channel_base_port: int,
-        kv_events_base_port: int,
-        model: str = "tiny",
-        policy: str = "disaggregate",
-        extra_args: Sequence[str] = (),
-        timeout_s: float = 900.0,
-        health_poll_s: float = 0.05,
-    ) -> "DevStack":
-        log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(log_dir / "pdserve-dev.out", "wb")
-        argv = [
-            sys.executable, "-m", "launch.cli", "dev", "--model", model, "--policy", policy,
-            "--port", str(port), "--engine-base-port", str(engine_base_port),
-            "--side-channel-base-port", str(side_channel_base_port),
-            "--kv-events-base-port", str(kv_events_base_port), "--log-dir", str(log_dir),
-            *extra_args,
-        ]
-        t_launch = time.perf_counter()
-        popen = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
-        out.close()
-        stack = cls(popen, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{engine_base_port}",
-                    f"http://127.0.0.1:{engine_base_port + 1}", log_dir, t_launch)
-        deadline = time.monotonic() + timeout_s
-        last_note = 0.0
-        try:
-            while http_status(stack.proxy_url + "/health", 1.0) != 200:
-                if popen.poll() is not None:
-                    raise RuntimeError(f"pdserve dev exited {popen.returncode}:\n"
-                                       f"{stack.output()[-3000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"pdserve dev not ready in {timeout_s:.0f}s:\n"
-                                       f"{stack.output()[-3000:]}")
-                now = time.perf_counter()
-                if now - last_note > 15:
-                    last_note = now
-                    log(f"  waiting for the proxy's /health ({now - t_launch:.0f}s)")
-                time.sleep(health_poll_s)
-        except BaseException:
-            stack.stop()
-            raise
-        stack.t_health = time.perf_counter()
-        return stack
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM the dev process (it stops its engines), then SIGKILL any engine group left."""
-        if self.stopped:
-            return
-        self.stopped = True
-        pids = [e["pid"] for e in self.run_info().get("engines", [])]
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        for pgid in pids:  # the dev process stops them; this only catches what it missed
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
 def _kv_config_of(spec: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` an engine really gets (the last one on its command line)."""
     from launch.engines import engine_argv
@@ -525,6 +417,8 @@ class BareEngines:
         (passed again after the launcher's own, so it wins); ``env`` is added to both engines'
         environment.
         """
+        from dataclasses import replace
+
         from launch.dev import DevOptions, engine_specs
         from launch.models import ensure_model
         from launch.processes import check_ports_free, start_engine, wait_ready
@@ -539,8 +433,6 @@ class BareEngines:
         )
         self.prefill_spec, self.decode_spec = engine_specs(opts)
         if kv_config_edit is not None:
-            from dataclasses import replace
-
             from transport.connector import kv_transfer_config
 
             specs = []
@@ -561,15 +453,10 @@ class BareEngines:
         ])
         self.engines = []
         self.t_launch = time.perf_counter()
-        saved = dict(os.environ)
+        extra_env = tuple((env or {}).items())
         try:
-            os.environ.update(env or {})  # launch.engines builds the engine env from ours
-            try:
-                for spec in (self.prefill_spec, self.decode_spec):
-                    self.engines.append(start_engine(spec, log_dir))
-            finally:
-                os.environ.clear()
-                os.environ.update(saved)
+            for spec in (self.prefill_spec, self.decode_spec):
+                self.engines.append(start_engine(replace(spec, extra_env=extra_env), log_dir))
             wait_ready(self.engines, timeout_s, lambda el, pending: None)
         except BaseException:
             self.stop()

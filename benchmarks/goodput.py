@@ -31,9 +31,10 @@ it); targets are ``--ttft-factor`` x and ``--itl-factor`` x those.
 
 Rates are set from a measured capacity: a burst of ``--requests`` all at once on
 ``aggregated`` gives requests/s; the sweep runs fractions of it (``--rate-fractions``). Each
-point runs every arm once, in a shuffled order, ``--repeats`` times. Reported per arm: SLO
-attainment against request rate, the highest rate with >= 90 % of requests good (interpolated;
-DistServe's figure) for each repeat, and the route mix per rate.
+point runs every arm once, in a shuffled order, ``--repeats`` times, on the same prompts, each
+arm from cold prefix caches (``cold_caches``: else the arm before warms the next). Reported
+per arm: SLO attainment against request rate, the highest rate with >= 90 % of requests good
+(interpolated; DistServe's figure) for each repeat, and the route mix per rate.
 
 Budget (why the counts are what they are): a point costs ``requests / rate`` seconds per arm;
 with fractions f the sweep costs ``B * sum(1/f)`` per arm and repeat, B = the burst's duration.
@@ -56,24 +57,28 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
     ROOT,
-    DevStack,
     exit_on_sigterm,
     log,
     save_results,
     wait_ports_free,
 )
+from harness.stack import start_dev
 
 GOOD_SHARE = 0.9
 SERVED = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}
 #: requests per point and rate fractions per model (SmolLM2 is ~20x slower here).
-#: 90 % good needs >= 10 requests a point to allow one miss; a point costs requests/rate s.
-MODEL_SCALE = {"tiny": (32, (0.05, 0.15, 0.4, 1.0)), "smollm2": (10, (0.3, 0.6, 1.0))}
+#: 90 % good needs >= 10 requests a point to allow one miss; a point costs requests/rate s,
+#: so the lowest fraction sets the budget (a sweep costs B * sum(1/f) per arm and repeat).
+#: These keep a full run (both models, three workloads, two repeats) near 45 minutes here:
+#: tiny ~11.6 B with B ~2-4 s, SmolLM2 ~4.9 B with B ~10-25 s.
+MODEL_SCALE = {"tiny": (32, (0.15, 0.4, 0.7, 1.0)), "smollm2": (10, (0.4, 0.7, 1.0))}
 WORKLOADS: dict[str, list[tuple[int, int, float]]] = {
     # (prompt tokens, answer tokens, share of requests)
     "prefill_heavy": [(1024, 32, 1.0)],
@@ -268,6 +273,36 @@ def proxy_metrics(proxy: str) -> dict[str, float]:
     return out
 
 
+def _post(url: str, body: dict[str, Any] | None) -> None:
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body or {}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+    except urllib.error.HTTPError:
+        pass  # a reset refused while a block is still held: tried again below
+
+
+def cold_caches(proxy: str, model: str, timeout_s: float = 120.0) -> None:
+    """Empty both engines' prefix caches, and the proxy's index of them, so each arm starts
+    cold. Every arm gets the same prompts: without this the first arm at a point computes
+    them and the others find them cached (the arms' order would decide their TTFTs). vLLM's
+    dev endpoint does the reset; an idle engine publishes its KV events only with its next
+    step, so a one-token request (shorter than a block: it caches nothing) flushes them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(proxy + "/pd/costs", timeout=30) as r:
+            engines = json.loads(r.read())["engines"].values()
+        if all(e["cached_blocks"] == 0 for e in engines):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"prefix caches not emptied in {timeout_s:.0f}s")
+        for e in engines:
+            _post(e["url"] + "/reset_prefix_cache", None)
+            _post(e["url"] + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 1})
+        time.sleep(0.5)
+
+
 def wait_idle(proxy: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -292,12 +327,12 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
 
     asyncio.run(wait_ports_free([args.port, args.engine_base_port, args.engine_base_port + 1]))
     log(f"{model}: starting pdserve dev --layout pool ...")
-    stack = DevStack.start(
+    stack = start_dev(
         log_dir=ROOT / ".pdserve" / f"bench-goodput-{model}", port=args.port,
         engine_base_port=args.engine_base_port,
         side_channel_base_port=args.side_channel_base_port,
         kv_events_base_port=args.kv_events_base_port, model=model, policy="auto",
-        extra_args=["--layout", "pool", "--kv-cache-gib", "2"])
+        extra=["--layout", "pool", "--kv-cache-gib", "2", "--engine-dev-endpoints"])
     proxy = stack.proxy_url
     out: dict[str, Any] = {"startup_s": stack.startup_s, "workloads": {}}
     try:
@@ -310,6 +345,8 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
             rng = random.Random(args.seed)
             # Unloaded figures: one request at a time on an idle aggregated deployment.
             set_routing(proxy, arms["aggregated"])
+            wait_idle(proxy)
+            cold_caches(proxy, served)
             wait_idle(proxy)
             single = bench(proxy, served, tokenizer, workload, 4 * len(mix), math.inf,
                            args.seed + 1, data_dir, concurrency=1)
@@ -325,6 +362,8 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                                   for c, v in unloaded["ttft_s"].items()},
                        "itl_s": args.itl_factor * unloaded["itl_s"]}
             # Capacity: a burst on aggregated.
+            wait_idle(proxy)
+            cold_caches(proxy, served)
             wait_idle(proxy)
             burst = bench(proxy, served, tokenizer, workload, n, math.inf, args.seed + 2,
                           data_dir)
@@ -347,8 +386,10 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                     for arm in order:
                         set_routing(proxy, arms[arm])
                         wait_idle(proxy)
+                        cold_caches(proxy, served)
+                        wait_idle(proxy)
                         before = proxy_metrics(proxy)
-                        seed = args.seed + 100 * repeat + i  # same prompts for every arm
+                        seed = args.seed + 100 * repeat + i  # same prompts, cold caches
                         result = bench(proxy, served, tokenizer, workload, n, rate, seed,
                                        data_dir, slo=slo if arm in WITH_TARGETS else None)
                         after = proxy_metrics(proxy)

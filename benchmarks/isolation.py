@@ -35,7 +35,6 @@ import aiohttp
 
 from benchmarks.common import (
     ROOT,
-    DevStack,
     Prompts,
     exit_on_sigterm,
     log,
@@ -45,6 +44,7 @@ from benchmarks.common import (
     timed_stream,
     wait_ports_free,
 )
+from harness.stack import Stack, start_dev
 from launch.isolation import parse_cores, repin, tree_threads
 
 TARGET_RATIO = 2.0
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def place(stack: DevStack, arm: str) -> dict[str, int]:
+def place(stack: Stack, arm: str) -> dict[str, int]:
     """Put both engines' trees where ``arm`` says; return threads moved per engine."""
     all_cores = frozenset(range(os.cpu_count() or 1))
     moved = {}
@@ -97,12 +97,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = Prompts(args.model, seed=args.seed)
     await wait_ports_free([args.port, args.engine_base_port, args.engine_base_port + 1])
     log(f"starting pdserve dev --model {args.model} ...")
-    stack = DevStack.start(
+    stack = start_dev(
         log_dir=ROOT / ".pdserve" / "bench-isolation", port=args.port,
         engine_base_port=args.engine_base_port,
         side_channel_base_port=args.side_channel_base_port,
         kv_events_base_port=args.kv_events_base_port, model=args.model, policy="local",
-        extra_args=["--probe-tokens", "", "--reprobe-s", "0"])
+        extra=["--probe-tokens", "", "--reprobe-s", "0"])
     model = "SmolLM2-135M-Instruct" if args.model == "smollm2" else "pdserve-tiny"
     windows: list[tuple[str, str, float, float]] = []  # (arm, kind, start, end)
     prefill_s: dict[str, list[float]] = {"tree": [], "compute": []}

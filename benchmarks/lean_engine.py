@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-from typing import Any
 
 import msgspec
 from aiohttp import web

@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from harness.routes import costs, run_case, wait_for
+from harness.stack import start_dev
 from launch.testbed import LinkSpec, ThrottledLink
-from tests.e2e.routes import costs, run_case, wait_for
-from tests.e2e.stack import start_stack, stop_stack
 from transport.cost import LinkModel, PrefillModel, crossover_tokens
 
 RESULTS = Path(__file__).parent / "results"
@@ -73,7 +73,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     log_dir = Path("/tmp/pdserve-bench-lor")
     log(f"starting the testbed stack (logs in {log_dir}) ...")
-    stack = start_stack(
+    stack = start_dev(
         "tiny", port=args.port, engine_base_port=args.port + 100,
         side_channel_base_port=args.port + 600, log_dir=log_dir, model_name="pdserve-tiny",
         extra=["--policy", "auto", "--link-mbit", "0", "--kv-events-base-port",
@@ -108,7 +108,7 @@ def main() -> int:
                                    costs(stack), kvb)})
     finally:
         link.set_rate(LinkSpec(None))
-        stop_stack(stack)
+        stack.stop()
     summary = score(cells, lengths)
     summary["crossovers"] = crossovers
     out = {"cells": cells, "summary": summary, "rates_mbit": rates, "lengths": lengths,

@@ -54,13 +54,12 @@ import psutil
 from benchmarks.common import (
     ROOT,
     exit_on_sigterm,
-    http_status,
     log,
-    parse_prometheus,
     save_results,
     summarize,
     timed_stream,
 )
+from harness.stack import http_status
 from transport import kv_params
 
 CHAT = "/v1/chat/completions"

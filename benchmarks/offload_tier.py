@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import log, save_results
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.routes import ttft_stream
-from tests.e2e.stack import start_stack, stop_stack
-from tests.e2e.test_pd_outputs import prompt_sources
+from harness.engine_io import prompt_sources
+from harness.prompts import text_of_tokens
+from harness.routes import ttft_stream
+from harness.stack import start_dev
 
 BLOCK = 128
 KV_BLOCKS = 24
@@ -41,7 +41,7 @@ SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 
 def start(model: str, port: int, offload: list[str], log_dir: Path):
     name = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}[model]
-    return start_stack(
+    return start_dev(
         model, port=port, engine_base_port=port + 100, side_channel_base_port=port + 600,
         log_dir=log_dir, model_name=name,
         extra=["--policy", "local", "--kv-events-base-port", str(port + 700), "--kv-blocks",
@@ -88,7 +88,7 @@ def seed_experiment(model: str, reps: int, port: int) -> dict:
                 f"({row['tier_src']['external_kv_transfer']:.0f} tokens from the tier), "
                 f"recomputed {row['recompute'] * 1e3:.0f} ms")
     finally:
-        stop_stack(stack)
+        stack.stop()
     med = {k: statistics.median(r[k] for r in rows)
            for k in ("cold", "engine_hit", "tier", "recompute")}
     return {"model": model, "prompt_tokens": n, "cached_tokens": DOC_BLOCKS * BLOCK,
@@ -126,7 +126,7 @@ def cliff(policy: str, chunks: int, port: int) -> dict:
                 f"engine cache {out[name]['local_cache_hit']:.0%}, computed "
                 f"{out[name]['local_compute']:.0%} of prompt tokens")
     finally:
-        stop_stack(stack)
+        stack.stop()
     return {"policy": policy, "tier_chunks": chunks, "workloads": out}
 
 

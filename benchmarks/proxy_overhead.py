@@ -45,10 +45,8 @@ import aiohttp
 from benchmarks.common import (
     ROOT,
     TINY_SERVED_NAME,
-    DevStack,
     Prompts,
     exit_on_sigterm,
-    http_status,
     log,
     machine_info,
     save_results,
@@ -57,6 +55,7 @@ from benchmarks.common import (
     timed_stream,
     wait_ports_free,
 )
+from harness.stack import http_status, start_dev
 from transport import kv_params
 
 CHAT = "/v1/chat/completions"
@@ -103,7 +102,7 @@ def serve_fake(port: int) -> None:
     """tests/proxy/fake_engine.py's handlers on a fixed port, uvloop, no access log."""
     from aiohttp import web
 
-    from tests.proxy.fake_engine import FakeEngine
+    from harness.fake_engine import FakeEngine
 
     _use_uvloop()
 
@@ -513,7 +512,7 @@ async def real_setup(args: argparse.Namespace, levels: list[int], log_dir: Path
     if waited > 1:
         log(f"[real] waited {waited:.0f}s for the ports to be free")
     log("[real] starting pdserve dev (tiny, --policy disaggregate) ...")
-    stack = DevStack.start(log_dir=log_dir / "dev", port=args.port,
+    stack = start_dev(log_dir=log_dir / "dev", port=args.port, policy="disaggregate",
                            engine_base_port=args.engine_base_port,
                            side_channel_base_port=args.side_channel_base_port,
                            kv_events_base_port=args.kv_events_base_port)

@@ -35,12 +35,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import ROOT, exit_on_sigterm, log, machine_info, save_results
-from proxy.config import ProxyConfig
-
-sys.path.insert(0, str(ROOT / "tests" / "proxy"))  # the fakes and the load driver live there
-from fake_engine import FakeEngine
-from live_proxy import live_proxy, proxy_config
-from load_driver import (
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import live_proxy, proxy_config
+from harness.load_driver import (
     CHAT_PATH,
     FAST_FRAME_INTERVAL_S,
     FAST_TOKENS,
@@ -52,6 +49,7 @@ from load_driver import (
     ttft_summary_ms,
     ttfts_ms,
 )
+from proxy.config import ProxyConfig
 
 PROXY_START_TIMEOUT_S = 60.0
 

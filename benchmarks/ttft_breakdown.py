@@ -41,7 +41,6 @@ import aiohttp
 from benchmarks.common import (
     TINY_SERVED_NAME,
     BareEngines,
-    DevStack,
     Prompts,
     StreamTiming,
     exit_on_sigterm,
@@ -57,6 +56,7 @@ from benchmarks.common import (
     timed_stream,
     wait_ports_free,
 )
+from harness.stack import start_dev
 from transport import kv_params
 
 CHAT = "/v1/chat/completions"
@@ -376,7 +376,7 @@ async def dev_phase(args: argparse.Namespace, prompts: Prompts, log_dir: Path
     try:
         if not args.attach:
             log("[dev] starting pdserve dev (engines, then the proxy's warm-up and probes) ...")
-            stack = DevStack.start(log_dir=log_dir / "dev", port=args.port,
+            stack = start_dev(log_dir=log_dir / "dev", port=args.port, policy="disaggregate",
                                    engine_base_port=args.engine_base_port,
                                    side_channel_base_port=args.side_channel_base_port,
                                    kv_events_base_port=args.kv_events_base_port)

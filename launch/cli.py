@@ -11,131 +11,77 @@ from pathlib import Path
 from launch.processes import EngineFailed, PortBusy
 
 
-def _add_tier_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--offload-gib", type=float, default=0.0,
-                   help="host-memory KV offload tier per engine, GiB (0 = none): evicted "
-                        "prefixes come back from it instead of being recomputed")
-    p.add_argument("--offload-eviction", choices=("lru", "arc"), default="lru",
-                   help="which chunk a full offload tier drops")
-    p.add_argument("--offload-store-threshold", type=int, default=0,
-                   help="store a block in the tier only once it was offered this many times")
-    p.add_argument("--offload-fs-dir", default=None,
-                   help="GPU only: a file-system KV tier under the host tier, in this directory")
-    p.add_argument("--kv-blocks", type=int, default=None,
-                   help="cap each engine's KV cache at this many blocks (tests, benchmarks)")
-
-
-def _add_slo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="time-to-first-token target: with a target set, the auto policy "
-                        "also weighs the streams decoding on an engine (a request's own "
-                        "'slo' overrides)")
-    p.add_argument("--slo-itl-ms", type=float, default=None,
-                   help="target for the longest gap between two tokens of a stream")
-
-
-def _tier_options(args: argparse.Namespace) -> dict:
-    return dict(offload_gib=args.offload_gib, offload_eviction=args.offload_eviction,
-                offload_store_threshold=args.offload_store_threshold, kv_blocks=args.kv_blocks,
-                offload_fs_dir=args.offload_fs_dir)
-
-
 def _add_dev(sub: argparse._SubParsersAction) -> None:
+    from launch.dev import DevOptions
+
     p = sub.add_parser("dev", help="prefill + decode engines on this machine, proxy in front")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (default, embedded), 'tiny' (test model), a local HF model "
                         "directory, or a hub id where the hub is reachable")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engine-base-port", type=int, default=8100,
-                   help="prefill engine on this port, decode on the next")
-    p.add_argument("--side-channel-base-port", type=int, default=5600)
-    p.add_argument("--policy", default="auto",
-                   help="auto (live cost model) | disaggregate | local | threshold:N")
-    _add_slo_args(p)
     p.add_argument("--layout", choices=("disaggregated", "aggregated", "pool"),
-                   default="disaggregated",
+                   default=DevOptions.layout,
                    help="disaggregated: a prefill + a decode engine; aggregated: two engines "
                         "that each serve whole requests; pool: two engines that may do either "
                         "(the policy picks per request)")
-    p.add_argument("--probe-tokens", default="64,256,1024",
-                   help="prompt lengths of the start-up probes that seed the cost model "
-                        "('' for none)")
-    p.add_argument("--kv-cache-gib", type=int, default=2,
-                   help="CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--kv-events-base-port", type=int, default=5700)
-    p.add_argument("--reprobe-s", type=float, default=30.0,
-                   help="re-measure a prefill->decode link after this long without a "
-                        "hand-over (0 = never)")
-    p.add_argument("--prefill-deadline-s", type=float, default=120.0,
-                   help="give up on a prefill after this long and serve the request locally")
-    p.add_argument("--first-byte-deadline-s", type=float, default=120.0,
-                   help="504 when decode has not started answering after this long")
-    p.add_argument("--idle-deadline-s", type=float, default=60.0,
-                   help="end a stream with an in-band error when decode sends nothing this long")
-    p.add_argument("--max-inflight", type=int, default=256,
-                   help="requests served at once (admission control)")
-    p.add_argument("--max-queued", type=int, default=256,
-                   help="requests that may wait for a slot; beyond: 503 + Retry-After")
-    p.add_argument("--engine-dev-endpoints", action="store_true",
-                   help="expose vLLM's dev endpoints on the engines (testbeds/benchmarks)")
-    p.add_argument("--link-mbit", type=float, default=None,
+    p.add_argument("--engine-base-port", type=int, default=DevOptions.engine_base_port,
+                   help="prefill engine on this port, decode on the next")
+    p.add_argument("--side-channel-base-port", type=int,
+                   default=DevOptions.side_channel_base_port)
+    p.add_argument("--kv-events-base-port", type=int, default=DevOptions.kv_events_base_port)
+    p.add_argument("--link-mbit", type=float, default=DevOptions.link_mbit,
                    help="testbed: prefill engine in its own network namespace behind a veth "
                         "link throttled to this rate (0 = unthrottled); needs root")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--lease-s", type=int, default=30)
     p.add_argument("--no-restart", action="store_true",
                    help="leave an engine that dies down (default: restart it, with backoff)")
-    _add_tier_args(p)
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require this bearer token on /v1/* (default: $PDSERVE_API_KEY)")
-    p.add_argument("--private-ops", action="store_true",
-                   help="/health, /metrics and /pd/* need the API key too (default: public)")
-    p.add_argument("--log-dir", type=Path, default=Path(".pdserve/logs"))
-    p.add_argument("--start-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-dir", type=Path, default=DevOptions.log_dir)
+    p.add_argument("--start-timeout-s", type=float, default=DevOptions.start_timeout_s)
+    _add_settings(p)
 
 
 def _add_ray(sub: argparse._SubParsersAction) -> None:
+    from launch.ray_engine import EngineTemplate
+    from launch.ray_mode import RayOptions
+
     p = sub.add_parser("ray", help="engines as Ray actors on a cluster, proxy in front")
-    p.add_argument("--address", default=None,
+    p.add_argument("--address", default=RayOptions.address,
                    help="Ray cluster to join ('auto' on a ray-up head); default: start a local one")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' / 'tiny' (built on every node) or a model directory present "
                         "on every node")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--prefill", type=int, default=1, help="prefill engines")
-    p.add_argument("--decode", type=int, default=1, help="decode engines")
-    p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"), default="auto",
+    p.add_argument("--prefill", type=int, default=RayOptions.prefill, help="prefill engines")
+    p.add_argument("--decode", type=int, default=RayOptions.decode, help="decode engines")
+    p.add_argument("--accelerator", choices=("auto", "cpu", "gpu"),
+                   default=RayOptions.accelerator,
                    help="one GPU per engine, or one CPU (auto: GPU if the cluster has any)")
-    p.add_argument("--num-cpus", type=int, default=None,
+    p.add_argument("--num-cpus", type=int, default=RayOptions.local_num_cpus,
                    help="logical CPUs of a local cluster (default: Ray's count)")
-    p.add_argument("--namespace", default="pdserve",
+    p.add_argument("--namespace", default=RayOptions.namespace,
                    help="Ray namespace of this deployment's engine actors")
-    p.add_argument("--max-restarts", type=int, default=-1,
+    p.add_argument("--max-restarts", type=int, default=RayOptions.max_restarts,
                    help="restarts of a dead engine's actor (-1: always)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default="auto")
-    _add_slo_args(p)
-    p.add_argument("--probe-tokens", default="64,256,1024")
-    p.add_argument("--reprobe-s", type=float, default=30.0)
-    p.add_argument("--kv-cache-gib", type=int, default=2,
-                   help="CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--lease-s", type=int, default=30)
-    _add_tier_args(p)
-    p.add_argument("--engine-dev-endpoints", action="store_true")
-    p.add_argument("--prefill-deadline-s", type=float, default=120.0)
-    p.add_argument("--first-byte-deadline-s", type=float, default=120.0)
-    p.add_argument("--max-inflight", type=int, default=256)
-    p.add_argument("--max-queued", type=int, default=256)
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
-    p.add_argument("--private-ops", action="store_true",
-                   help="/health, /metrics and /pd/* need the API key too (default: public)")
-    p.add_argument("--log-dir", default="/tmp/pdserve-ray-logs",
+    p.add_argument("--log-dir", default=EngineTemplate.log_dir,
                    help="engine logs, on each engine's node")
-    p.add_argument("--start-timeout-s", type=float, default=900.0)
+    p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
+    _add_settings(p)
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    """The flags both modes share, generated from ``launch/settings.py``."""
+    from launch.settings import EngineSettings, ProxySettings, add_arguments
+
+    add_arguments(p.add_argument_group("engines"), EngineSettings)
+    add_arguments(p.add_argument_group("proxy"), ProxySettings)
+
+
+def _settings(args: argparse.Namespace):
+    from launch.settings import EngineSettings, ProxySettings, from_args
+
+    proxy = from_args(ProxySettings, args)
+    if proxy.api_key is None and os.environ.get("PDSERVE_API_KEY"):
+        proxy = proxy.model_copy(update={"api_key": os.environ["PDSERVE_API_KEY"]})
+    return from_args(EngineSettings, args), proxy
 
 
 def _run_ray(args: argparse.Namespace) -> int:
@@ -145,24 +91,18 @@ def _run_ray(args: argparse.Namespace) -> int:
 
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("need --decode >= 1 and --prefill >= 0")
+    engines, proxy = _settings(args)
     path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
     template = EngineTemplate(
         model=args.model if args.model in ("tiny", "smollm2") else str(path),
         served_model_name=args.served_model_name or _model_name(args.model),
-        kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len, lease_s=args.lease_s,
-        dev_endpoints=args.engine_dev_endpoints, log_dir=args.log_dir, **_tier_options(args),
+        log_dir=args.log_dir, engines=engines,
     )
     return run_ray(RayOptions(
         template=template, model_path=str(path), prefill=args.prefill, decode=args.decode,
         address=args.address, namespace=args.namespace, local_num_cpus=args.num_cpus,
-        accelerator=args.accelerator, max_restarts=args.max_restarts, host=args.host,
-        port=args.port, policy=args.policy,
-        probe_tokens=tuple(int(x) for x in args.probe_tokens.split(",") if x.strip()),
-        reprobe_s=args.reprobe_s, api_key=args.api_key, public_ops=not args.private_ops,
-        start_timeout_s=args.start_timeout_s,
-        prefill_deadline_s=args.prefill_deadline_s,
-        first_byte_deadline_s=args.first_byte_deadline_s, max_inflight=args.max_inflight,
-        max_queued=args.max_queued, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+        accelerator=args.accelerator, max_restarts=args.max_restarts,
+        start_timeout_s=args.start_timeout_s, proxy=proxy,
     ))
 
 
@@ -238,39 +178,22 @@ def _run_dev(args: argparse.Namespace) -> int:
     from launch.dev import DevOptions, run_dev
     from launch.models import ensure_model
 
+    engines, proxy = _settings(args)
     path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
-    opts = DevOptions(
+    return run_dev(DevOptions(
         model_path=str(path),
         served_model_name=args.served_model_name or _model_name(args.model),
-        port=args.port,
-        host=args.host,
         engine_base_port=args.engine_base_port,
         side_channel_base_port=args.side_channel_base_port,
-        policy=args.policy,
-        probe_tokens=tuple(int(x) for x in args.probe_tokens.split(",") if x.strip()),
-        kv_cache_gib=args.kv_cache_gib,
-        max_model_len=args.max_model_len,
-        api_key=args.api_key,
-        public_ops=not args.private_ops,
+        kv_events_base_port=args.kv_events_base_port,
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout_s,
-        lease_s=args.lease_s,
-        **_tier_options(args),
-        kv_events_base_port=args.kv_events_base_port,
         link_mbit=args.link_mbit,
-        reprobe_s=args.reprobe_s,
-        prefill_deadline_s=args.prefill_deadline_s,
-        first_byte_deadline_s=args.first_byte_deadline_s,
-        idle_deadline_s=args.idle_deadline_s,
-        max_inflight=args.max_inflight,
-        max_queued=args.max_queued,
-        engine_dev_endpoints=args.engine_dev_endpoints,
         restart_engines=not args.no_restart,
         layout=args.layout,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms,
-    )
-    return run_dev(opts)
+        engines=engines,
+        proxy=proxy,
+    ))
 
 
 def main(argv: list[str] | None = None) -> int:

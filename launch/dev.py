@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
@@ -26,9 +26,9 @@ from launch.processes import (
     stop_engines,
     wait_ready,
 )
+from launch.settings import EngineSettings, ProxySettings
 from launch.supervisor import Supervisor
 from launch.testbed import LinkSpec, ThrottledLink
-from transport.connector import ConnectorOptions
 from transport.kv_size import kv_bytes_per_token_for_model
 
 log = logging.getLogger(__name__)
@@ -38,35 +38,14 @@ log = logging.getLogger(__name__)
 class DevOptions:
     model_path: str
     served_model_name: str
-    port: int = 8000
-    host: str = "127.0.0.1"
     engine_base_port: int = 8100
     side_channel_base_port: int = 5600
-    policy: str = "auto"
-    probe_tokens: tuple[int, ...] = (64, 256, 1024)
-    kv_cache_gib: int = 2
-    max_model_len: int = 4096
-    api_key: str | None = None
-    public_ops: bool = True
+    kv_events_base_port: int = 5700
     log_dir: Path = Path(".pdserve/logs")
     start_timeout_s: float = 600.0
-    lease_s: int = 30
-    kv_events_base_port: int = 5700
     #: Put the prefill engine in its own network namespace behind a veth link throttled to this
     #: many Mbit/s (0 = a separate namespace, unthrottled); None = plain loopback.
     link_mbit: float | None = None
-    reprobe_s: float = 30.0
-    prefill_deadline_s: float = 120.0
-    first_byte_deadline_s: float = 120.0
-    idle_deadline_s: float = 60.0
-    max_inflight: int = 256
-    max_queued: int = 256
-    engine_dev_endpoints: bool = False
-    offload_gib: float = 0.0
-    offload_eviction: str = "lru"
-    offload_store_threshold: int = 0
-    offload_fs_dir: str | None = None
-    kv_blocks: int | None = None
     #: Restart an engine that dies (see launch/supervisor.py).
     restart_engines: bool = True
     #: ``disaggregated``: a prefill and a decode engine. ``aggregated``: two engines that each
@@ -74,9 +53,8 @@ class DevOptions:
     #: policy picks, per request, local on one or prefill on the other. Aggregated and pool
     #: are the same engines; ``POST /pd/admin/routing`` switches between them at run time.
     layout: str = "disaggregated"
-    #: Latency targets (ms) the ``auto`` policy protects (None: TTFT alone).
-    slo_ttft_ms: float | None = None
-    slo_itl_ms: float | None = None
+    engines: EngineSettings = field(default_factory=EngineSettings)
+    proxy: ProxySettings = field(default_factory=ProxySettings)
 
 
 def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
@@ -89,17 +67,13 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         port=opts.engine_base_port,
         side_channel_port=opts.side_channel_base_port,
         device=device,
-        kv_cache_gib=opts.kv_cache_gib,
+        kv_cache_gib=opts.engines.kv_cache_gib,
         dtype=default_dtype(device),
-        max_model_len=opts.max_model_len,
-        connector=ConnectorOptions(
-            lease_s=opts.lease_s, cpu_fixes=device == "cpu", offload_tier_gib=opts.offload_gib,
-            offload_eviction_policy=opts.offload_eviction,  # type: ignore[arg-type]
-            offload_store_threshold=opts.offload_store_threshold,
-            offload_fs_dir=opts.offload_fs_dir),
-        extra_args=kv_blocks_args(opts.kv_blocks),
+        max_model_len=opts.engines.max_model_len,
+        connector=opts.engines.connector(cpu_fixes=device == "cpu"),
+        extra_args=opts.engines.vllm_args(),
         kv_events_port=opts.kv_events_base_port,
-        dev_endpoints=opts.engine_dev_endpoints,
+        dev_endpoints=opts.engines.engine_dev_endpoints,
     )
     cores = (os.cpu_count() or 1) >= 2 and device == "cpu"
     prefill = replace(base, cpu_cores="0" if cores else None)
@@ -118,11 +92,6 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
     if opts.layout != "disaggregated":  # two engines alike: each may prefill or decode
         prefill, decode = replace(prefill, role="both"), replace(decode, role="both")
     return prefill, decode
-
-
-def kv_blocks_args(kv_blocks: int | None) -> tuple[str, ...]:
-    """vLLM arguments that cap an engine's KV cache at ``kv_blocks`` blocks (None: no cap)."""
-    return () if kv_blocks is None else ("--num-gpu-blocks-override", str(kv_blocks))
 
 
 def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
@@ -158,7 +127,6 @@ def run_dev(opts: DevOptions) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.config import ProxyConfig
     from proxy.server import uvicorn_config
 
     # SIGTERM (and SIGHUP: the terminal closed) must unwind like Ctrl-C so the engines are
@@ -167,7 +135,7 @@ def run_dev(opts: DevOptions) -> int:
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     check_ports_free(
         [
-            ("proxy", opts.port),
+            ("proxy", opts.proxy.port),
             ("prefill engine", opts.engine_base_port),
             ("decode engine", opts.engine_base_port + 1),
             ("prefill NIXL side channel", opts.side_channel_base_port),
@@ -181,7 +149,8 @@ def run_dev(opts: DevOptions) -> int:
     link: ThrottledLink | None = None
     supervisor: Supervisor | None = None
     device = detect_device()
-    check_kv_capacity(device, opts.max_model_len, opts.kv_blocks, opts.kv_cache_gib,
+    check_kv_capacity(device, opts.engines.max_model_len, opts.engines.kv_blocks,
+                      opts.engines.kv_cache_gib,
                       model_kv_bytes_per_token(opts.model_path, default_dtype(device)))
     if opts.link_mbit is not None and opts.layout != "disaggregated":
         raise ValueError("--link-mbit puts the prefill engine behind the link: it needs "
@@ -205,35 +174,23 @@ def run_dev(opts: DevOptions) -> int:
         pooled = opts.layout != "disaggregated"
         urls = (prefill_spec.url, decode_spec.url)
         events = (prefill_spec.kv_events_endpoint or "", decode_spec.kv_events_endpoint or "")
-        config = ProxyConfig(
+        config = opts.proxy.config(
             prefill_urls=() if pooled else urls[:1],
             decode_urls=() if pooled else urls[1:],
             pool_urls=urls if pooled else (),
             pool_kv_events=events if pooled else (),
             layout="aggregated" if opts.layout == "aggregated" else "pool",
             served_model_names=(opts.served_model_name,),
-            policy=opts.policy,
-            api_key=opts.api_key,
-            public_health=opts.public_ops,
             kv_bytes_per_token=model_kv_bytes_per_token(opts.model_path, prefill_spec.dtype),
-            probe_tokens=opts.probe_tokens,
-            reprobe_s=opts.reprobe_s,
-            prefill_deadline_s=opts.prefill_deadline_s,
-            first_byte_deadline_s=opts.first_byte_deadline_s,
-            idle_deadline_s=opts.idle_deadline_s,
-            kv_lease_s=opts.lease_s,
-            max_inflight=opts.max_inflight,
-            max_queued=opts.max_queued,
+            kv_lease_s=opts.engines.lease_s,
             prefill_kv_events=() if pooled else events[:1],
             decode_kv_events=() if pooled else events[1:],
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
-            max_model_len=opts.max_model_len,
-            slo_ttft_ms=opts.slo_ttft_ms,
-            slo_itl_ms=opts.slo_itl_ms,
+            max_model_len=opts.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
         )
-        url = f"http://{opts.host}:{opts.port}"
-        auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.api_key else ""
+        url = f"http://{opts.proxy.host}:{opts.proxy.port}"
+        auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.proxy.api_key else ""
         print(
             f"\npdserve is serving {opts.served_model_name} at {url}/v1\n"
             f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
@@ -242,7 +199,8 @@ def run_dev(opts: DevOptions) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(uvicorn_config(create_app(config), config, opts.host, opts.port))
+        server = uvicorn.Server(uvicorn_config(create_app(config), config, opts.proxy.host,
+                                               opts.proxy.port))
         server.run()
         return 0
     except KeyboardInterrupt:
@@ -269,7 +227,7 @@ def confinement_report(engines: Sequence[EngineProcess]) -> None:
 def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EngineProcess]) -> None:
     """``run.json``: what this dev mode started (pids, urls), for operators and tests."""
     info = {
-        "proxy": f"http://{opts.host}:{opts.port}",
+        "proxy": f"http://{opts.proxy.host}:{opts.proxy.port}",
         "parent_pid": os.getpid(),
         "engines": [
             {"role": e.spec.role, "url": e.spec.url, "pid": e.popen.pid,

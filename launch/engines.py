@@ -13,8 +13,11 @@ from typing import Literal
 
 import decode.role
 import prefill.role
+from launch.settings import EngineSettings
 from transport.connector import ConnectorOptions, Role, kv_transfer_config_json
 from transport.kv_events import kv_events_config
+
+ENGINE_DEFAULTS = EngineSettings()
 
 Device = Literal["cpu", "cuda"]
 
@@ -32,10 +35,10 @@ class EngineSpec:
     cpu_cores: str | None = None
     #: CPU: KV cache size in whole GiB (vLLM reads an int). GPU: share of device memory (two
     #: engines share one GPU in dev).
-    kv_cache_gib: int = 2
+    kv_cache_gib: int = ENGINE_DEFAULTS.kv_cache_gib
     gpu_memory_utilization: float = 0.4
     dtype: str = "auto"
-    max_model_len: int = 4096
+    max_model_len: int = ENGINE_DEFAULTS.max_model_len
     connector: ConnectorOptions = field(default_factory=ConnectorOptions)
     #: Publish KV cache events (ZMQ) on this port, for the proxy's prefix index.
     kv_events_port: int | None = None
@@ -46,6 +49,8 @@ class EngineSpec:
     #: Expose vLLM's dev endpoints (/reset_prefix_cache, ...): testbeds and benchmarks only.
     dev_endpoints: bool = False
     extra_args: tuple[str, ...] = ()
+    #: Environment variables set for this engine on top of the launcher's own.
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def url(self) -> str:
@@ -151,6 +156,7 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
         env.setdefault("UCX_NET_DEVICES", "lo")
     if spec.dev_endpoints:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.update(spec.extra_env)
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gib))
         env["KMP_BLOCKTIME"] = "0"

@@ -19,15 +19,14 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.dev import kv_blocks_args
 from launch.engines import EngineSpec, default_dtype, detect_device
 from launch.isolation import guard
 from launch.processes import EngineProcess, start_engine, stop_engines
-from transport.connector import ConnectorOptions
+from launch.settings import EngineSettings
 from transport.kv_size import kv_bytes_per_token_for_model
 
 log = logging.getLogger(__name__)
@@ -42,17 +41,9 @@ class EngineTemplate:
 
     model: str  # a built-in name ("tiny", "smollm2", built on each node) or a path on every node
     served_model_name: str
-    kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
-    max_model_len: int = 4096
-    lease_s: int = 30
-    dev_endpoints: bool = False
     log_dir: str = "/tmp/pdserve-ray-logs"
-    offload_gib: float = 0.0
-    offload_eviction: str = "lru"
-    offload_store_threshold: int = 0
-    offload_fs_dir: str | None = None
-    kv_blocks: int | None = None
+    engines: EngineSettings = field(default_factory=EngineSettings)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,19 +119,14 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         # CPU: spread engines over the node's cores by ordinal (prefill-0 and decode-0 land on
         # different cores). GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
         cpu_cores=str((ordinal * 2 + (role == "decode")) % cores) if device == "cpu" else None,
-        kv_cache_gib=template.kv_cache_gib,
+        kv_cache_gib=template.engines.kv_cache_gib,
         gpu_memory_utilization=template.gpu_memory_utilization,
         dtype=default_dtype(device),
-        max_model_len=template.max_model_len,
-        connector=ConnectorOptions(
-            lease_s=template.lease_s, cpu_fixes=device == "cpu",
-            offload_tier_gib=template.offload_gib,
-            offload_eviction_policy=template.offload_eviction,  # type: ignore[arg-type]
-            offload_store_threshold=template.offload_store_threshold,
-            offload_fs_dir=template.offload_fs_dir),
-        extra_args=kv_blocks_args(template.kv_blocks),
+        max_model_len=template.engines.max_model_len,
+        connector=template.engines.connector(cpu_fixes=device == "cpu"),
+        extra_args=template.engines.vllm_args(),
         ucx_device=interface_of(node_ip),
-        dev_endpoints=template.dev_endpoints,
+        dev_endpoints=template.engines.engine_dev_endpoints,
     )
 
 

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.isolation import parse_cores, sharing
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
+from launch.settings import ProxySettings
 from proxy.pool import EndpointInfo
 
 log = logging.getLogger(__name__)
@@ -60,20 +61,8 @@ class RayOptions:
     local_num_cpus: int | None = None
     accelerator: str = "auto"  # auto | cpu | gpu
     max_restarts: int = -1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "auto"
-    probe_tokens: tuple[int, ...] = (64, 256, 1024)
-    reprobe_s: float = 30.0
-    api_key: str | None = None
-    public_ops: bool = True
     start_timeout_s: float = 900.0
-    prefill_deadline_s: float = 120.0
-    first_byte_deadline_s: float = 120.0
-    max_inflight: int = 256
-    max_queued: int = 256
-    slo_ttft_ms: float | None = None
-    slo_itl_ms: float | None = None
+    proxy: ProxySettings = field(default_factory=ProxySettings)
 
 
 def actor_resources(accelerator: str) -> dict[str, Any]:
@@ -224,7 +213,6 @@ def run_ray(opts: RayOptions) -> int:
     import uvicorn
 
     from proxy.app import create_app
-    from proxy.config import ProxyConfig
     from proxy.server import uvicorn_config
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -254,35 +242,24 @@ def run_ray(opts: RayOptions) -> int:
         by_role = {r: sorted((i for i in infos if i["role"] == r),
                              key=lambda i: int(i["name"].rsplit("-", 1)[1]))
                    for r in ("prefill", "decode")}
-        config = ProxyConfig(
+        config = opts.proxy.config(
             prefill_urls=tuple(i["url"] for i in by_role["prefill"]),
             decode_urls=tuple(i["url"] for i in by_role["decode"]),
             prefill_kv_events=tuple(i["kv_events"] or "" for i in by_role["prefill"]),
             decode_kv_events=tuple(i["kv_events"] or "" for i in by_role["decode"]),
             served_model_names=(opts.template.served_model_name,),
-            policy=opts.policy,
-            api_key=opts.api_key,
-            public_health=opts.public_ops,
             kv_bytes_per_token=kvb,
-            probe_tokens=opts.probe_tokens,
-            reprobe_s=opts.reprobe_s,
-            prefill_deadline_s=opts.prefill_deadline_s,
-            first_byte_deadline_s=opts.first_byte_deadline_s,
-            kv_lease_s=opts.template.lease_s,
-            max_inflight=opts.max_inflight,
-            max_queued=opts.max_queued,
+            kv_lease_s=opts.template.engines.lease_s,
             tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,
-            max_model_len=opts.template.max_model_len,
-            slo_ttft_ms=opts.slo_ttft_ms,
-            slo_itl_ms=opts.slo_itl_ms,
+            max_model_len=opts.template.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
         )
-        url = f"http://{opts.host}:{opts.port}"
+        url = f"http://{opts.proxy.host}:{opts.proxy.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "
               f"is serving {opts.template.served_model_name} at {url}/v1\n", file=sys.stderr,
               flush=True)
         app = create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler)
-        server = uvicorn.Server(uvicorn_config(app, config, opts.host, opts.port))
+        server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
         server.run()
         return 0
     except KeyboardInterrupt:

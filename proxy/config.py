@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from proxy.deadlines import Deadlines
 from proxy.policy import parse_policy
+from transport.connector import ConnectorOptions
 
 
 class ProxyConfig(BaseModel):
@@ -79,7 +80,7 @@ class ProxyConfig(BaseModel):
     total_deadline_s: float = Field(default=600.0, gt=0)
     #: The prefill engines' KV lease (``ConnectorOptions.lease_s``): a hand-off older than
     #: 80 % of it is not sent to another decode engine on a retry (it recomputes instead).
-    kv_lease_s: float = Field(default=30.0, gt=0)
+    kv_lease_s: float = Field(default=ConnectorOptions.lease_s, gt=0)
 
     @field_validator("policy")
     @classmethod
@@ -106,8 +107,8 @@ class ProxyConfig(BaseModel):
     def deadlines(self) -> Deadlines:
         return Deadlines(
             prefill_s=self.prefill_deadline_s,
-            first_byte_s=self.first_byte_deadline_s,
+            headers_s=self.first_byte_deadline_s,
             idle_s=self.idle_deadline_s,
             total_s=self.total_deadline_s,
-            handoff_s=0.8 * self.kv_lease_s,
+            handoff_max_age_s=0.8 * self.kv_lease_s,
         )

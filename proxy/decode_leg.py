@@ -42,7 +42,7 @@ class DecodeLeg:
         self.handoff = handoff
         self.route = "disaggregated" if handoff is not None else "local"
         # The prefill engine frees the blocks when its lease ends; they may then be reused.
-        self.read_by = time.time() + deadlines.handoff_s
+        self.read_by = time.time() + deadlines.handoff_max_age_s
         #: The decode engine sent its response headers (it has the request).
         self.answered = False
         #: The decode engine computes the prompt: timed alone when nothing else was queued.
@@ -74,7 +74,7 @@ class DecodeLeg:
             try:
                 stream = await decode.client.open_stream(
                     self.req.path, self.body, {"x-request-id": self.req.request_id},
-                    self._deadlines.first_byte_s, self._deadlines.idle_s)
+                    self._deadlines.headers_s, self._deadlines.idle_s)
                 break
             except EngineUnreachable as exc:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
@@ -184,7 +184,7 @@ class DecodeLeg:
         blocks until its lease expires unless a decode reads them: read them now (one token),
         in the background."""
         body, client, request_id = release_body(self.body), self.decode.client, self.req.request_id
-        timeout_s = self._deadlines.first_byte_s
+        timeout_s = self._deadlines.headers_s
 
         async def run() -> None:
             try:

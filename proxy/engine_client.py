@@ -128,17 +128,17 @@ class EngineClient:
         path: str,
         body: Mapping[str, Any],
         headers: Mapping[str, str],
-        first_byte_s: float,
+        headers_s: float,
         idle_s: float,
     ) -> EngineStream:
-        """POST ``body`` and return once response headers arrived (within ``first_byte_s``)."""
+        """POST ``body`` and return once response headers arrived (within ``headers_s``)."""
         try:
-            async with asyncio.timeout(first_byte_s):
+            async with asyncio.timeout(headers_s):
                 response = await self._pool.request("POST", self._prefix + path, _dumps(body),
                                                     headers)
         except TimeoutError as exc:
             raise EngineTimeout(
-                f"{self.name} did not start answering in {first_byte_s:g}s") from exc
+                f"{self.name} did not start answering in {headers_s:g}s") from exc
         except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
         return EngineStream(self.name, response, idle_s)

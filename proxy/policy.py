@@ -38,8 +38,10 @@ class PolicyMode:
 
 
 def parse_policy(text: str) -> PolicyMode:
-    """Parse ``auto``, ``disaggregate``, ``local`` or ``threshold:N``; raise ValueError
-    otherwise."""
+    """Parse ``auto``, ``disaggregate`` (also spelled ``disaggregated``, the route it always
+    picks), ``local`` or ``threshold:N``; raise ValueError otherwise."""
+    if text == "disaggregated":
+        text = "disaggregate"
     if text in ("auto", "disaggregate", "local"):
         return PolicyMode(text)  # type: ignore[arg-type]
     if text.startswith("threshold:"):

@@ -152,6 +152,25 @@ def check_message(i: int, m: Any) -> None:
                              param="messages")
 
 
+def check_prompt(prompt: Any) -> None:
+    """A completions prompt as the OpenAI API takes it: a string, a list of strings, a list of
+    token ids, or a list of lists of token ids; none of them empty."""
+    def ids(xs: Any) -> bool:
+        return isinstance(xs, list) and bool(xs) and all(_is_int(x) and x >= 0 for x in xs)
+
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        return
+    if not (isinstance(prompt, list) and prompt):
+        raise InvalidRequest("prompt must be a non-empty string or list", param="prompt")
+    if all(isinstance(p, str) and p for p in prompt) or ids(prompt) or all(
+            ids(p) for p in prompt):
+        return
+    raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids or "
+                         "a list of lists of token ids", param="prompt")
+
+
 def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[str]) -> bool:
     """Validate ``body`` for ``endpoint``; return whether it asks for a stream."""
     if kv_params.has_client_params(body):
@@ -165,6 +184,14 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
             raise InvalidRequest("model must be a string", param="model")
         if model not in served_models:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    # Each endpoint's prompt field and no other: what reads a body's prompt goes by the key
+    # it finds, so a completions body with "messages" must not get that far.
+    foreign = "prompt" if endpoint == "chat" else "messages"
+    if foreign in body:
+        raise InvalidRequest(
+            f"{foreign} is not a field of /v1/{'chat/' if endpoint == 'chat' else ''}"
+            f"completions (it takes {'messages' if endpoint == 'chat' else 'prompt'})",
+            param=foreign)
     if endpoint == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -172,12 +199,7 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
         for i, m in enumerate(messages):
             check_message(i, m)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
-        elif not (isinstance(prompt, list) and prompt):
-            raise InvalidRequest("prompt must be a non-empty string or list", param="prompt")
+        check_prompt(body.get("prompt"))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequest("stream must be a boolean", param="stream")

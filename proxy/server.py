@@ -9,9 +9,10 @@ only runs once the head is complete. :class:`GuardedHttpToolsProtocol` adds both
 
 - a deadline, armed when a request's first bytes arrive (or the connection opens) and disarmed
   when its headers are parsed: a client that misses it gets a 408;
-- a cap on the bytes of a head still incomplete: a client over it gets a 431.
+- a cap on the bytes of a head still incomplete: a client over it gets a 431;
+- a request the parser refuses (a control character in a header value) gets a 400.
 
-Both answer with an OpenAI-style body and close the connection. The body has its own limits in
+All answer with an OpenAI-style body and close the connection. The body has its own limits in
 ``client_io.read_body``.
 """
 
@@ -25,9 +26,15 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from proxy.config import ProxyConfig
-from proxy.errors import ClientError, HeadersTooLarge, RequestTimeout, error_json
+from proxy.errors import (
+    ClientError,
+    HeadersTooLarge,
+    InvalidRequest,
+    RequestTimeout,
+    error_json,
+)
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -82,6 +89,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer = None
         self._refuse(RequestTimeout(
             f"request headers not received within {self.header_deadline_s:g}s"))
+
+    def send_400_response(self, msg: str) -> None:
+        """What the HTTP parser refuses (a control character in a header, a broken request
+        line) gets the same OpenAI-style body as everything else, not uvicorn's plain text."""
+        del msg
+        self._refuse(InvalidRequest("malformed HTTP request: the request line or a header "
+                                    "is not valid HTTP/1.1"))
 
     def _refuse(self, err: ClientError) -> None:
         self._disarm()

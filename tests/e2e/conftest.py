@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness.stack import Stack, serving, start_dev
 from launch import testbed
-from tests.e2e.stack import DevStack, mark_e2e, serving
+from tests.marks import mark_e2e
 
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
 #: Short per-stage deadlines (the tiny model answers in well under a second), so the stall
@@ -19,9 +20,9 @@ STAGE_DEADLINES = ["--prefill-deadline-s", str(PREFILL_DEADLINE_S),
 
 
 @pytest.fixture(scope="package")
-def tiny_stack(tmp_path_factory) -> DevStack:
+def tiny_stack(tmp_path_factory) -> Stack:
     with serving(
-        "tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
+        start_dev, model="tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
         extra=["--policy", "disaggregate", "--kv-events-base-port", "15700",
                "--kv-cache-gib", "1", *STAGE_DEADLINES], **TINY_PORTS,
     ) as stack:
@@ -29,12 +30,12 @@ def tiny_stack(tmp_path_factory) -> DevStack:
 
 
 @pytest.fixture(scope="package")
-def smollm2_stack(tmp_path_factory) -> DevStack:
+def smollm2_stack(tmp_path_factory) -> Stack:
     """`pdserve dev` on the default model (SmolLM2-135M-Instruct), policy auto, with the prefill
     engine behind the throttled-link testbed when this machine can make one (root)."""
     link = ["--link-mbit", "0"] if testbed.available() else []
     with serving(
-        "smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
+        start_dev, model="smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
         log_dir=tmp_path_factory.mktemp("smollm2-stack"), model_name="SmolLM2-135M-Instruct",
         extra=["--kv-events-base-port", "17700", "--kv-cache-gib", "1", "--probe-tokens",
                "64,256", "--reprobe-s", "5", "--engine-dev-endpoints", *link],

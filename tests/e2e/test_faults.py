@@ -20,10 +20,10 @@ import time
 import httpx
 import pytest
 
-from transport.engine_metrics import engine_load, sample_sums
+from harness.prompts import text_of_tokens
+from harness.routes import wait_for
 from tests.e2e.conftest import FIRST_BYTE_DEADLINE_S, IDLE_DEADLINE_S, PREFILL_DEADLINE_S
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.routes import wait_for
+from transport.engine_metrics import engine_load, sample_sums
 
 
 def engine_metrics(url: str) -> str:

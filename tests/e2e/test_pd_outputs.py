@@ -2,63 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.prompts import text_of_tokens
-from transport.engine_metrics import engine_load
+from harness.engine_io import MAX_TOKENS, chat_body, prompt_sources, stream_text
+from harness.prompts import text_of_tokens
 
 LENGTHS = [100, 400, 1000, 1600, 3000]
-MAX_TOKENS = 16
-
-
-def chat_body(model: str, text: str, stream: bool = False) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": stream,
-    }
-
-
-def prompt_sources(decode_url: str) -> dict[str, float]:
-    text = httpx.get(decode_url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "vllm:prompt_tokens_by_source":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[s.labels["source"]] = s.value
-    return out
-
-
-def success_count(url: str) -> float:
-    """Requests an engine finished, by its own metrics."""
-    return engine_load(httpx.get(url + "/metrics", timeout=10).text).requests_finished
-
-
-def stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, httpx.Headers, list[str]]:
-    parts, frames = [], []
-    with client.stream("POST", url, json=body) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if not line:
-                continue
-            frames.append(line)
-            if line == "data: [DONE]":
-                break
-            chunk = json.loads(line.removeprefix("data: "))
-            for choice in chunk["choices"]:
-                parts.append(choice.get("delta", {}).get("content") or "")
-        headers = r.headers
-    return "".join(parts), headers, frames
-
-
 @pytest.mark.parametrize("n_tokens", LENGTHS)
 def test_proxy_matches_decode_engine_and_kv_moves(tiny_stack, n_tokens, golden_outputs):
     text = text_of_tokens(n_tokens, seed=n_tokens)
@@ -140,7 +90,7 @@ def test_completions_endpoint_disaggregated(tiny_stack):
     assert r.headers["x-pd-route"] == "disaggregated"
     assert r.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
     # The proxy also reads NIXL's own view of the pulls from the decode engine's metrics.
-    from tests.e2e.routes import costs, wait_for
+    from harness.routes import costs, wait_for
 
     wait_for(lambda: (costs(tiny_stack)["engines"]["decode-0"]["nixl_bytes_per_s"] or 0) > 1e6,
              "the decode engine's NIXL pull rate at the proxy", timeout_s=10)

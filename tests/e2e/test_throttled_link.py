@@ -14,9 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from launch.testbed import UNTHROTTLED, LinkSpec, ThrottledLink
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.routes import (
+from harness.prompts import text_of_tokens
+from harness.routes import (
     cache_on_prefill,
     costs,
     measure_disaggregated,
@@ -25,7 +24,7 @@ from tests.e2e.routes import (
     ttft_stream,
     wait_for,
 )
-
+from launch.testbed import UNTHROTTLED, LinkSpec, ThrottledLink
 
 # SmolLM2 in float32: 46 KiB of KV per token, ~150-250 prompt tokens/s per core here, so the
 # breakeven link is roughly 55-95 Mbit/s: an unthrottled veth is far above it, 20 Mbit/s far below.

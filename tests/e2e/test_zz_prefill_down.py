@@ -15,11 +15,10 @@ import time
 
 import httpx
 
+from harness.engine_io import prompt_sources, success_count
+from harness.prompts import text_of_tokens
 from tests.e2e.conftest import TINY_PORTS
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.test_pd_outputs import prompt_sources, success_count
 from transport import kv_params
-
 
 FALLBACK = 'pd_fallbacks_total{reason="prefill_unreachable"}'
 UNAVAILABLE = 'pd_decisions_total{reason="prefill_unavailable",route="local"}'

@@ -8,6 +8,7 @@ import sys
 
 from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
 from launch.ray_mode import actor_resources, resolve_accelerator
+from launch.settings import EngineSettings
 
 
 def test_reservations_never_overlap_and_skip_busy_ports(tmp_path):
@@ -38,7 +39,8 @@ def test_reservation_is_held_by_another_process(tmp_path):
 
 
 def test_engine_spec_on_a_node():
-    t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny", kv_cache_gib=1)
+    t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny",
+                       engines=EngineSettings(kv_cache_gib=1))
     p = engine_spec_for_node(t, "prefill", 0, "127.0.0.1", [21000, 21001, 21002], "/m")
     d1 = engine_spec_for_node(t, "decode", 1, "127.0.0.1", [21003, 21004, 21005], "/m")
     assert (p.url, p.side_channel_port, p.kv_events_endpoint) == (

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from launch.processes import EngineProcess
 from launch.supervisor import Supervisor

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import DevStack, mark_e2e, serving
+from harness.stack import Stack, serving, start_dev
+from tests.marks import mark_e2e
 
 
 @pytest.fixture(scope="package")
-def pool_stack(tmp_path_factory) -> DevStack:
+def pool_stack(tmp_path_factory) -> Stack:
     with serving(
-        "tiny", port=18500, engine_base_port=18600, side_channel_base_port=16600,
+        start_dev, model="tiny", port=18500, engine_base_port=18600, side_channel_base_port=16600,
         log_dir=tmp_path_factory.mktemp("pool-stack"), model_name="pdserve-tiny",
         extra=["--layout", "aggregated", "--kv-events-base-port", "16700", "--kv-cache-gib",
                "1", "--reprobe-s", "0"],

@@ -8,10 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.routes import costs, wait_for
+from harness.engine_io import stream_text, success_count
+from harness.prompts import text_of_tokens
+from harness.routes import costs, wait_for
 from transport.engine_metrics import engine_load
-from tests.e2e.test_pd_outputs import stream_text, success_count
 
 MAX_TOKENS = 16
 

@@ -9,10 +9,9 @@ import threading
 import time
 
 import httpx
-
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.prompts import text_of_tokens
+from harness.prompts import text_of_tokens
 from tests.layouts.test_layouts import route
 
 #: tiny model here: ~30k prompt tokens/s, so a 2,048-token chunk is ~70 ms in one step,

@@ -8,17 +8,18 @@ import signal
 
 import pytest
 
-from tests.e2e.stack import DevStack, mark_e2e, serving
+from harness.stack import Stack, serving, start_dev
+from tests.marks import mark_e2e
 
 KV_BLOCKS = 24
 LEASE_S = 6
 
 
 @pytest.fixture(scope="package")
-def tier_stack(tmp_path_factory) -> DevStack:
+def tier_stack(tmp_path_factory) -> Stack:
     # Stopped with SIGHUP (the terminal closed): it must stop the engines like SIGTERM does.
     with serving(
-        "tiny", stop_signal=signal.SIGHUP, port=16000, engine_base_port=16100, side_channel_base_port=16600,
+        start_dev, model="tiny", stop_signal=signal.SIGHUP, port=16000, engine_base_port=16100, side_channel_base_port=16600,
         log_dir=tmp_path_factory.mktemp("tier-stack"), model_name="pdserve-tiny",
         extra=["--policy", "local", "--kv-events-base-port", "16700", "--offload-gib", "0.25",
                "--kv-blocks", str(KV_BLOCKS), "--max-model-len", "2048", "--probe-tokens", "",

@@ -12,8 +12,8 @@ import time
 
 import httpx
 
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.test_pd_outputs import prompt_sources
+from harness.engine_io import prompt_sources
+from harness.prompts import text_of_tokens
 from tests.offload.conftest import LEASE_S
 from transport import kv_params
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.routes import wait_for
-from tests.e2e.test_pd_outputs import prompt_sources
+from harness.engine_io import prompt_sources
+from harness.prompts import text_of_tokens
+from harness.routes import wait_for
 from tests.offload.conftest import KV_BLOCKS
 
 BLOCK = 128  # vLLM's CPU block size (checked below)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from fake_engine import FakeEngine
+
+from harness.fake_engine import FakeEngine
 
 
 @pytest.fixture

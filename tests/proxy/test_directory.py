@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import httpx
 import pytest
-from fake_engine import FakeEngine
-from live_proxy import live_proxy, proxy_config, wait_until
 
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import live_proxy, proxy_config, wait_until
 from proxy.pool import EndpointInfo
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}

@@ -20,10 +20,10 @@ import json
 from typing import Any
 
 import pytest
-from fake_engine import FakeEngine
-from live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
 from test_proxy_app import CHAT_PATH, chat_body
 
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
 from proxy.app import create_app
 
 #: How soon the proxy must pass a hang-up on to the engine it is waiting for.

@@ -19,9 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_engine import DONE_FRAME, FakeEngine
-from live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
 from test_proxy_app import CHAT_PATH, assert_error, chat_body, proxy, split_in_band_error
+
+from harness.fake_engine import DONE_FRAME, FakeEngine
+from harness.live_proxy import SETTLE_S, LiveProxy, RawRequest, live_proxy, proxy_config, wait_until
 
 LIMITS: dict[str, Any] = {"max_inflight": 2, "max_queued": 1, "queue_timeout_s": 0.5}
 #: A queue timeout no step of a test comes near: only a freed slot lets a queued request in.

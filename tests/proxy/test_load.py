@@ -15,9 +15,10 @@ import collections
 import os
 
 import pytest
-from fake_engine import FakeEngine
-from live_proxy import live_proxy, proxy_config
-from load_driver import (
+
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import live_proxy, proxy_config
+from harness.load_driver import (
     CHAT_PATH,
     StreamOutcome,
     make_fast,

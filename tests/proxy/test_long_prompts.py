@@ -10,8 +10,8 @@ import time
 import httpx
 import pytest
 
-from fake_engine import FakeEngine
-from live_proxy import proxy_config
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import proxy_config
 from proxy.app import create_app
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines

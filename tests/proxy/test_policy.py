@@ -99,3 +99,9 @@ def test_route_inputs_defaults() -> None:
     inputs = RouteInputs(prompt_tokens=10)
     assert inputs.decode_cached_tokens == 0
     assert inputs.prefill_available is True
+
+
+def test_policy_disaggregated_is_disaggregate():
+    """The route's spelling names the policy that always picks it."""
+    assert parse_policy("disaggregated") == parse_policy("disaggregate") == PolicyMode(
+        "disaggregate")

@@ -18,8 +18,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
-from live_proxy import proxy_config
+from harness.fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
+from harness.live_proxy import proxy_config
 from proxy.app import create_app
 from transport import kv_params
 from transport.kv_params import prefill_request_params

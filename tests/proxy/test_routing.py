@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
-from proxy.metrics import ProxyMetrics
 from proxy.engine_bodies import DEFAULT_OUTPUT_BUDGET, output_budget
+from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import parse_policy
 from proxy.pool import EnginePool

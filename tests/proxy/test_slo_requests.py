@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from live_proxy import live_proxy, proxy_config
+
+from harness.live_proxy import live_proxy, proxy_config
 
 BODY = {"model": "m", "prompt": "hello there", "max_tokens": 4}
 

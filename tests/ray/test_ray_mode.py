@@ -13,14 +13,14 @@ import time
 import httpx
 import psutil
 
-from tests.e2e.prompts import text_of_tokens
-from tests.e2e.test_pd_outputs import (
+from harness.engine_io import (
     MAX_TOKENS,
     chat_body,
     prompt_sources,
     stream_text,
     success_count,
 )
+from harness.prompts import text_of_tokens
 
 GOLDEN_LENGTHS = (100, 1000)
 
@@ -80,10 +80,9 @@ def test_each_engine_tree_stays_on_its_core_and_sharing_is_reported(ray_stack):
     """Every process and thread of each engine actor's engine is on the one core it was given
     (three engines on two cores: the two decode engines share one, and start-up says so)."""
     from launch.isolation import tree_threads
-    from tests.ray.conftest import engine_pids
 
     placed = []
-    for pid in engine_pids():
+    for pid in ray_stack.engine_pids():
         threads = tree_threads(pid)
         assert len(threads) > 20  # the API server, EngineCore and worker and their threads
         cores = {t.cores for t in threads}

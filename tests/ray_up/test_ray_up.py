@@ -22,7 +22,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.e2e.stack import http_status
+from harness.stack import http_status
 
 REPO = Path(__file__).resolve().parents[2]
 PROXY_PORT = 19500

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from fake_engine import FakeEngine
+
+from harness.fake_engine import FakeEngine
 
 CHAT_PATH = "/v1/chat/completions"
 #: Seven content frames: with the role frame first and [DONE] last, nine events per stream.

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from fake_engine import FakeEngine
 from starlette.applications import Starlette
 
+from harness.fake_engine import FakeEngine
 from proxy.app import create_app
-from proxy.service import ProxyService
 from proxy.config import ProxyConfig
 from proxy.server import uvicorn_config
+from proxy.service import ProxyService
 
 #: Upper bound for things that take milliseconds (start-up, a counter catching up). Only a
 #: failing test ever waits this long; it is generous because a busy 2-core box can stall a

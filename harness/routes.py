@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.e2e.prompts import text_of_tokens
+from harness.prompts import text_of_tokens
 from transport import kv_params
 
 
