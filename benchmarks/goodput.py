@@ -76,8 +76,8 @@ SERVED = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}
 #: requests per point and rate fractions per model (SmolLM2 is ~20x slower here).
 #: 90 % good needs >= 10 requests a point to allow one miss; a point costs requests/rate s,
 #: so the lowest fraction sets the budget (a sweep costs B * sum(1/f) per arm and repeat).
-#: These keep a full run (both models, three workloads, two repeats) near 45 minutes here:
-#: tiny ~11.6 B with B ~2-4 s, SmolLM2 ~4.9 B with B ~10-25 s.
+#: Chosen for ~45 minutes (both models, three workloads, two repeats); measured 66 (tiny 18,
+#: SmolLM2 48: its mixed workload's burst takes ~16 s, so B x 4.9 per arm is ~80 s).
 MODEL_SCALE = {"tiny": (32, (0.15, 0.4, 0.7, 1.0)), "smollm2": (10, (0.4, 0.7, 1.0))}
 WORKLOADS: dict[str, list[tuple[int, int, float]]] = {
     # (prompt tokens, answer tokens, share of requests)
@@ -263,6 +263,7 @@ def set_routing(proxy: str, routing: dict[str, Any]) -> None:
 
 
 def proxy_metrics(proxy: str) -> dict[str, float]:
+    """Requests per route, and decisions per route and reason (``route/reason``)."""
     with urllib.request.urlopen(proxy + "/metrics", timeout=30) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -270,6 +271,11 @@ def proxy_metrics(proxy: str) -> dict[str, float]:
         if line.startswith("pd_requests_total{"):
             route = line.split('route="', 1)[1].split('"', 1)[0]
             out[route] = out.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("pd_decisions_total{"):
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            key = f"{route}/{reason}"
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -394,9 +400,11 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                                        data_dir, slo=slo if arm in WITH_TARGETS else None)
                         after = proxy_metrics(proxy)
                         score = attainment(result, targets, mix)
-                        routes = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                        routes = {k: v for k, v in delta.items() if "/" not in k}
+                        reasons = {k: v for k, v in delta.items() if "/" in k and v}
                         points[arm].append({"repeat": repeat, "rate": rate, **score,
-                                            "routes": routes,
+                                            "routes": routes, "reasons": reasons,
                                             "ttfts": result["ttfts"], "itls": result["itls"],
                                             "input_lens": result["input_lens"],
                                             "duration_s": result["duration"]})
