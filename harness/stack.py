@@ -100,7 +100,14 @@ class Stack:
                 else:
                     self.popen.kill()
                 self.popen.wait(10)
-        left = sorted({p for p in started if group_alive(p)} | self.engine_pids())
+        # An engine group may still be exiting as pdserve returns (a supervisor's restart
+        # that was starting up): give it a few seconds before calling it a survivor.
+        deadline = time.monotonic() + 10
+        while True:
+            left = sorted({p for p in started if group_alive(p)} | self.engine_pids())
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         for pid in left:  # never leave engines behind, even when a test is about to fail
             try:
                 os.killpg(pid, signal.SIGKILL)
