@@ -76,9 +76,10 @@ SERVED = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}
 #: requests per point and rate fractions per model (SmolLM2 is ~20x slower here).
 #: 90 % good needs >= 10 requests a point to allow one miss; a point costs requests/rate s,
 #: so the lowest fraction sets the budget (a sweep costs B * sum(1/f) per arm and repeat).
-#: Chosen for ~45 minutes (both models, three workloads, two repeats); measured 66 (tiny 18,
-#: SmolLM2 48: its mixed workload's burst takes ~16 s, so B x 4.9 per arm is ~80 s).
-MODEL_SCALE = {"tiny": (32, (0.15, 0.4, 0.7, 1.0)), "smollm2": (10, (0.4, 0.7, 1.0))}
+#: Sized from the measured cost of an earlier run (aeac0f3: 66 min with (0.15, 0.4, 0.7, 1.0)
+#: and (0.4, 0.7, 1.0); points took tiny 849 s, SmolLM2 2,500 s, start-ups and cache resets
+#: ~10 min): sum(1/f) 11.6 -> 6.0 (tiny) and 4.9 -> 3.0 (SmolLM2) predicts ~43 min.
+MODEL_SCALE = {"tiny": (32, (0.3, 0.6, 1.0)), "smollm2": (10, (0.5, 1.0))}
 WORKLOADS: dict[str, list[tuple[int, int, float]]] = {
     # (prompt tokens, answer tokens, share of requests)
     "prefill_heavy": [(1024, 32, 1.0)],
@@ -263,7 +264,8 @@ def set_routing(proxy: str, routing: dict[str, Any]) -> None:
 
 
 def proxy_metrics(proxy: str) -> dict[str, float]:
-    """Requests per route, and decisions per route and reason (``route/reason``)."""
+    """Requests per route, decisions per route and reason (``route/reason``), and the
+    prediction-ratio histograms' cumulative buckets (``name|route|le``)."""
     with urllib.request.urlopen(proxy + "/metrics", timeout=30) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -271,11 +273,52 @@ def proxy_metrics(proxy: str) -> dict[str, float]:
         if line.startswith("pd_requests_total{"):
             route = line.split('route="', 1)[1].split('"', 1)[0]
             out[route] = out.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith(RATIO_HISTOGRAMS):
+            name = line.split("_bucket{", 1)[0]
+            route = line.split('route="', 1)[1].split('"', 1)[0]
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[f"{name}|{route}|{le}"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("pd_decisions_total{"):
             route = line.split('route="', 1)[1].split('"', 1)[0]
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             key = f"{route}/{reason}"
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+#: The proxy's measured / predicted histograms (TTFT, and the streams' worst gap beside an
+#: arrival): their medians per point say how well the step and prefill fits predicted.
+RATIO_HISTOGRAMS = ("pd_ttft_prediction_ratio_bucket{", "pd_itl_prediction_ratio_bucket{")
+
+
+def ratio_medians(delta: dict[str, float]) -> dict[str, dict[str, float | None]]:
+    """Median measured/predicted ratio per histogram and route, from one point's bucket
+    deltas (Prometheus' ``histogram_quantile``: linear within the bucket holding the median;
+    None with no observation, the last finite bound when it lies beyond)."""
+    buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for key, count in delta.items():
+        if key.count("|") != 2:
+            continue
+        name, route, le = key.split("|")
+        short = name.removeprefix("pd_").removesuffix("_prediction_ratio")
+        buckets.setdefault((short, route), []).append((float(le), count))
+    out: dict[str, dict[str, float | None]] = {}
+    for (name, route), cum in buckets.items():
+        cum.sort()
+        total = cum[-1][1] if cum else 0.0
+        median: float | None = None
+        if total > 0:
+            lo_bound, lo_count = 0.0, 0.0
+            for bound, count in cum:
+                if count >= total / 2:
+                    if bound == float("inf"):
+                        median = lo_bound
+                    else:
+                        share = (total / 2 - lo_count) / max(count - lo_count, 1e-9)
+                        median = round(lo_bound + (bound - lo_bound) * share, 3)
+                    break
+                lo_bound, lo_count = bound, count
+        out.setdefault(name, {})[route] = median
     return out
 
 
@@ -401,10 +444,12 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                         after = proxy_metrics(proxy)
                         score = attainment(result, targets, mix)
                         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                        routes = {k: v for k, v in delta.items() if "/" not in k}
+                        routes = {k: v for k, v in delta.items() if "/" not in k
+                                  and "|" not in k}
                         reasons = {k: v for k, v in delta.items() if "/" in k and v}
                         points[arm].append({"repeat": repeat, "rate": rate, **score,
                                             "routes": routes, "reasons": reasons,
+                                            "prediction_ratio_median": ratio_medians(delta),
                                             "ttfts": result["ttfts"], "itls": result["itls"],
                                             "input_lens": result["input_lens"],
                                             "duration_s": result["duration"]})

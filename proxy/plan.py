@@ -4,7 +4,8 @@ arrives. No I/O and no clock: the prompt was measured before (``proxy/tokenizer_
 ``make_plan`` picks the decode engine with the least outstanding work after this request (its
 prompt tokens that engine has not cached, plus its output budget), then the prefill engine the
 same way among the others (prompt tokens only), and asks the policy for the route of that
-pair, telling it how many streams decode on that engine and the request's latency targets.
+pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``)
+and the request's latency targets.
 The pool remembers the picks (ties rotate), so picking is the one side effect.
 """
 
@@ -63,8 +64,7 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         prefill.foreign_requests if prefill else 0, decode.foreign_requests,
         prefill.mean_prompt_tokens if prefill else None,
     )
-    # Streams decoding there now: this proxy's (it relays them) and other clients' requests.
-    streams = costs.tracker(decode.name).streams + decode.foreign_requests
+    streams = streams_exposed(costs, decode)
     decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
@@ -72,3 +72,14 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget)
+
+
+def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
+    """The streams a local prefill on ``decode`` would stall: the ones decoding there now,
+    and this proxy's requests bound there that are still being prefilled (on a prefill engine,
+    or queued there): they start decoding while the local prefill runs, and wait on its steps.
+    Counting only the ones already streaming let a long local prefill start on an engine
+    whose next stream was a moment away (a 1.2 s stall at 0.44 req/s, SmolLM2 prefill-heavy).
+    Other clients' requests there count as streams too."""
+    own = max(costs.tracker(decode.name).streams, costs.ledger.load(decode.name).requests)
+    return own + decode.foreign_requests

@@ -15,6 +15,7 @@ from benchmarks.goodput import (
     is_good,
     mixed_dataset,
     p99,
+    ratio_medians,
 )
 
 TTFT_S, ITL_S = 0.5, 0.05
@@ -92,3 +93,17 @@ def test_mixed_dataset_is_read_by_vllms_own_loader(tmp_path):
         assert inp - 8 <= s.prompt_len <= inp
     assert shares == {out: round(8 * share) for _, out, share in mix}
     assert len({s.prompt for s in samples}) == 8
+
+
+def test_prediction_ratio_medians_from_one_points_bucket_deltas():
+    """Cumulative buckets as the proxy exports them, one point's difference: 4 ITL
+    observations in (0.9, 1.0], 6 in (1.0, 1.1] -> median 1.0 + 0.1 x (5 - 4) / 6."""
+    h = "pd_itl_prediction_ratio"
+    delta = {f"{h}|local|0.9": 0, f"{h}|local|1.0": 4, f"{h}|local|1.1": 10,
+             f"{h}|local|+Inf": 10, f"{h}|disaggregated|4.0": 0,
+             f"{h}|disaggregated|+Inf": 3,  # all beyond the last bound: that bound
+             "pd_ttft_prediction_ratio|local|+Inf": 0, "local": 10, "local/forced": 1}
+    medians = ratio_medians(delta)
+    assert medians["itl"]["local"] == pytest.approx(1.0 + 0.1 / 6, abs=1e-3)
+    assert medians["itl"]["disaggregated"] == 4.0
+    assert medians["ttft"]["local"] is None

@@ -10,7 +10,7 @@ from proxy.deadlines import Deadlines
 from proxy.engine_bodies import DEFAULT_OUTPUT_BUDGET, output_budget
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
-from proxy.policy import parse_policy
+from proxy.policy import Targets, parse_policy
 from proxy.pool import EnginePool
 from proxy.prefix_index import block_keys
 from proxy.requests import ApiRequest
@@ -113,3 +113,21 @@ async def test_output_budget_is_the_requests_max_tokens():
     assert output_budget({"max_tokens": 7}) == 7
     assert output_budget({"max_completion_tokens": 9, "max_tokens": 7}) == 9
     assert output_budget({}) == DEFAULT_OUTPUT_BUDGET
+
+
+async def test_a_request_still_prefilling_counts_as_a_stream_a_local_prefill_would_stall():
+    """With targets, a long local prefill must not start on a decode engine whose next stream
+    is a moment away: a request bound there, still prefilling, starts decoding during it."""
+    pool, costs, orch = setup(prefills=("p0",), decodes=("d0",))
+    orch.policy = parse_policy("auto")
+    orch.targets = Targets(ttft_s=10.0, itl_s=0.05)
+    long = request(prompt=list(range(100, 500)))  # 400 tokens: one ~0.2 s step at the prior
+    alone = (await orch.plan(long)).decision
+    assert (alone.route, alone.reason) == ("local", "slo_most_slack")
+    bound, claim = await planned(orch, request())  # bound for d0, not streaming yet
+    assert bound.decode.name == "d0" and costs.tracker("d0").streams == 0
+    exposed = (await orch.plan(long)).decision
+    assert (exposed.route, exposed.reason) == ("disaggregated", "slo_protects_streams")
+    assert exposed.gap_local_s > 0.05
+    claim.release()
+    assert (await orch.plan(long)).decision.route == "local"
