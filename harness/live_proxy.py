@@ -43,7 +43,7 @@ def proxy_config(prefill: FakeEngine | None, decode: FakeEngine, **overrides: An
         "warmup": False,
         "health_interval_s": 3600.0,
         "prefill_deadline_s": 120.0,  # deadlines no test means to reach
-        "first_byte_deadline_s": 120.0,
+        "headers_deadline_s": 120.0,
         "idle_deadline_s": 120.0,
         "total_deadline_s": 300.0,
     }

@@ -18,6 +18,7 @@ that mode's flags in ``launch/cli.py``.
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -97,7 +98,7 @@ class ProxySettings(BaseModel):
     prefill_deadline_s: float = Field(default=_proxy_default("prefill_deadline_s"), gt=0,
                                       description=(
         "give up on a prefill after this long and serve the request locally"))
-    first_byte_deadline_s: float = Field(default=_proxy_default("first_byte_deadline_s"), gt=0,
+    headers_deadline_s: float = Field(default=_proxy_default("headers_deadline_s"), gt=0,
                                          description=(
         "504 when the decode engine has not sent its response headers after this long"))
     idle_deadline_s: float = Field(default=_proxy_default("idle_deadline_s"), gt=0, description=(
@@ -126,10 +127,28 @@ class ProxySettings(BaseModel):
 # --- flags ------------------------------------------------------------------------------------
 
 
+#: Old flag names still accepted (field name -> old flag): each works as the field's own flag
+#: does, and says once on stderr what to write instead.
+DEPRECATED_FLAGS = {"headers_deadline_s": "--first-byte-deadline-s"}
+
+
+class _Deprecated(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        print(f"pdserve: {option_string} is deprecated, use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_arguments(parser: argparse._ActionsContainer, settings: type[BaseModel]) -> None:
-    """One ``--flag`` per field of ``settings``: its type, default and help from the field."""
+    """One ``--flag`` per field of ``settings``: its type, default and help from the field
+    (and the field's old name, ``DEPRECATED_FLAGS``, kept working)."""
     for name, field in settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        if name in DEPRECATED_FLAGS:
+            parser.add_argument(DEPRECATED_FLAGS[name], dest=name, action=_Deprecated,
+                                type=_base_type(field.annotation), default=field.default,
+                                help=f"deprecated name of {flag}")
         kind = _base_type(field.annotation)
         kwargs: dict[str, Any] = {"dest": name, "default": field.default,
                                   "help": field.description}

@@ -75,7 +75,7 @@ class ProxyConfig(BaseModel):
     #: handshake at start-up instead of in a user's first request).
     warmup: bool = True
     prefill_deadline_s: float = Field(default=120.0, gt=0)
-    first_byte_deadline_s: float = Field(default=120.0, gt=0)
+    headers_deadline_s: float = Field(default=120.0, gt=0)
     idle_deadline_s: float = Field(default=60.0, gt=0)
     total_deadline_s: float = Field(default=600.0, gt=0)
     #: The prefill engines' KV lease (``ConnectorOptions.lease_s``): a hand-off older than
@@ -90,8 +90,8 @@ class ProxyConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "ProxyConfig":
-        if self.total_deadline_s < self.first_byte_deadline_s:
-            raise ValueError("total_deadline_s must be >= first_byte_deadline_s")
+        if self.total_deadline_s < self.headers_deadline_s:
+            raise ValueError("total_deadline_s must be >= headers_deadline_s")
         if not self.decode_urls and not self.pool_urls:
             raise ValueError("need an engine that decodes: decode_urls or pool_urls")
         if len(self.prefill_kv_events) not in (0, len(self.prefill_urls)) or len(
@@ -107,7 +107,7 @@ class ProxyConfig(BaseModel):
     def deadlines(self) -> Deadlines:
         return Deadlines(
             prefill_s=self.prefill_deadline_s,
-            headers_s=self.first_byte_deadline_s,
+            headers_s=self.headers_deadline_s,
             idle_s=self.idle_deadline_s,
             total_s=self.total_deadline_s,
             handoff_max_age_s=0.8 * self.kv_lease_s,

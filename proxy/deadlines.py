@@ -10,7 +10,7 @@ class Deadlines:
     """Seconds each stage may take before the proxy gives up on it.
 
     ``prefill_s``: the whole prefill leg (request sent → KV handoff received).
-    ``headers_s``: decode request sent → its response headers (``--first-byte-deadline-s``).
+    ``headers_s``: decode request sent → its response headers (``--headers-deadline-s``).
     ``idle_s``: longest silence between two chunks of a running stream.
     ``total_s``: the whole request, end to end.
     ``handoff_max_age_s``: how old a prefill hand-off may be when a decode engine is sent to read it

@@ -13,9 +13,9 @@ from tests.marks import mark_e2e
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
 #: Short per-stage deadlines (the tiny model answers in well under a second), so the stall
 #: tests in test_faults.py meet them quickly.
-PREFILL_DEADLINE_S, FIRST_BYTE_DEADLINE_S, IDLE_DEADLINE_S = 6.0, 10.0, 6.0
+PREFILL_DEADLINE_S, HEADERS_DEADLINE_S, IDLE_DEADLINE_S = 6.0, 10.0, 6.0
 STAGE_DEADLINES = ["--prefill-deadline-s", str(PREFILL_DEADLINE_S),
-                   "--first-byte-deadline-s", str(FIRST_BYTE_DEADLINE_S),
+                   "--headers-deadline-s", str(HEADERS_DEADLINE_S),
                    "--idle-deadline-s", str(IDLE_DEADLINE_S)]
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from harness.prompts import text_of_tokens
 from harness.routes import wait_for
-from tests.e2e.conftest import FIRST_BYTE_DEADLINE_S, IDLE_DEADLINE_S, PREFILL_DEADLINE_S
+from tests.e2e.conftest import HEADERS_DEADLINE_S, IDLE_DEADLINE_S, PREFILL_DEADLINE_S
 from transport.engine_metrics import engine_load, sample_sums
 
 
@@ -105,7 +105,7 @@ def test_stalled_decode_before_first_byte_is_a_504_and_aborted(stack):
     assert r.status_code == 504, r.text
     error = r.json()["error"]
     assert error["type"] == "timeout_error" and "Traceback" not in error["message"]
-    assert FIRST_BYTE_DEADLINE_S - 0.5 <= elapsed < FIRST_BYTE_DEADLINE_S + 10, elapsed
+    assert HEADERS_DEADLINE_S - 0.5 <= elapsed < HEADERS_DEADLINE_S + 10, elapsed
     wait_for(lambda: engine_requests(stack.decode_url) == 0, "decode drops the request", 30)
 
 

@@ -116,3 +116,18 @@ def test_add_arguments_types():
     assert args.max_model_len == 2048 and args.offload_fs_dir == "/x"
     with pytest.raises(SystemExit):
         p.parse_args(["--offload-eviction", "fifo"])
+
+
+def test_a_renamed_flag_keeps_working_under_its_old_name_and_says_so(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p, ProxySettings)
+    assert p.parse_args([]).headers_deadline_s == ProxySettings().headers_deadline_s
+    assert "deprecated" not in capsys.readouterr().err
+    old = p.parse_args(["--first-byte-deadline-s", "7.5"])
+    assert old.headers_deadline_s == 7.5
+    assert "--first-byte-deadline-s is deprecated, use --headers-deadline-s" in (
+        capsys.readouterr().err)
+    assert from_args(ProxySettings, old).config(
+        decode_urls=["http://d"], kv_bytes_per_token=1, served_model_names=["m"],
+    ).deadlines().headers_s == 7.5
+    assert p.parse_args(["--headers-deadline-s", "3"]).headers_deadline_s == 3.0

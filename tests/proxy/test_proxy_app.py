@@ -59,7 +59,7 @@ async def proxy(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """Run the proxy app (lifespan included) in front of the fakes; yield a client for it."""
     # Short deadlines, so the timeout tests finish quickly.
-    deadlines = {"prefill_deadline_s": 10.0, "first_byte_deadline_s": 10.0,
+    deadlines = {"prefill_deadline_s": 10.0, "headers_deadline_s": 10.0,
                  "idle_deadline_s": 10.0, "total_deadline_s": 30.0}
     app = create_app(proxy_config(prefill, decode, **(deadlines | overrides)))
     async with app.router.lifespan_context(app):
@@ -332,7 +332,7 @@ async def test_decode_never_answers_is_a_504(
     prefill: FakeEngine, decode: FakeEngine, stream: bool
 ) -> None:
     decode.decode_gate = asyncio.Event()
-    async with proxy(prefill, decode, first_byte_deadline_s=SHORT_S) as client:
+    async with proxy(prefill, decode, headers_deadline_s=SHORT_S) as client:
         resp = await client.post(CHAT_PATH, json=chat_body(stream=stream),
                                  headers={"x-request-id": "req-504"})
     assert_error(resp, 504, "timeout_error")
