@@ -31,6 +31,10 @@ TOO_LONG = "TOO_LONG"
 DONE_FRAME = b"data: [DONE]\n\n"
 #: Content tokens each decode stream sends (one SSE frame each) before the finish frame.
 STREAM_TOKENS = ("Hello", ",", " world", "!")
+#: The fake's answer is a greedy model's: token j of ``stream_tokens`` has id OUTPUT_ID_BASE + j,
+#: and a token-id prompt that ends in such ids is continued from the next token (what another
+#: engine does with a migrated stream's prompt).
+OUTPUT_ID_BASE = 50_000
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class FakeEngine:
     decode_gate_after_frames: int = 0
     #: When set, a streaming decode writes this many frames and then drops the connection.
     decode_drop_after_frames: int | None = None
+    #: A whole (unstreamed) decode reply sends its headers and half its body, then drops.
+    decode_drop_reply: bool = False
     #: Content tokens of each decode stream (one SSE frame each), and the pause between frames.
     stream_tokens: tuple[str, ...] = STREAM_TOKENS
     decode_frame_interval_s: float = 0.0
@@ -223,6 +229,15 @@ class FakeEngine:
                 "kv_transfer_params": None,
                 "x_fake_received_kv_transfer_params": "kv_transfer_params" in rec.body,
             }
+            if self.decode_drop_reply:
+                data = json.dumps(reply).encode()
+                resp = web.StreamResponse(status=200, headers={
+                    "content-type": "application/json", "content-length": str(len(data))})
+                await resp.prepare(request)
+                await resp.write(data[: len(data) // 2])
+                assert request.transport is not None
+                request.transport.close()  # a crashed engine, mid-reply
+                return resp
             return web.json_response(reply)
         resp = web.StreamResponse(
             status=200, headers={"content-type": "text/event-stream; charset=utf-8"}
@@ -258,7 +273,11 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 
 def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    """Deterministic fake token ids: one per four prompt characters, at least one."""
+    """Deterministic fake token ids: one per four prompt characters, at least one (a prompt
+    of token ids: those)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return list(prompt)
     return list(range(1000, 1000 + max(1, len(_prompt_text(body)) // 4)))
 
 
@@ -289,26 +308,61 @@ def _reply(rec: Recorded, text: str) -> dict[str, Any]:
 
 
 def _frames(rec: Recorded, tokens: tuple[str, ...] = STREAM_TOKENS) -> list[bytes]:
-    """The SSE frames of one stream, as vLLM writes them (compact JSON, blank-line separated)."""
+    """The SSE frames of one stream, as vLLM writes them (compact JSON, blank-line separated):
+    the answer continued after any of its own ids the prompt ends with, cut at ``max_tokens``;
+    with ``return_token_ids``, each token's id and (first event) the prompt's; with
+    ``stream_options.include_usage``, a last usage event."""
     kind = _kind(rec.path)
+    body = rec.body
     base = {"id": f"{kind}-{rec.request_id}", "created": 1767225600,
-            "model": rec.body.get("model", "m")}
+            "model": body.get("model", "m")}
+    prompt = _prompt_ids(body)
+    start = _continued_from(body)
+    budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    end = len(tokens) if not isinstance(budget, int) else min(len(tokens), start + budget)
+    ids = body.get("return_token_ids") is True
     chunks: list[dict[str, Any]] = []
     if kind == "chatcmpl":
         base["object"] = "chat.completion.chunk"
-        deltas = [{"role": "assistant", "content": ""}] + [{"content": t} for t in tokens]
-        for i, delta in enumerate(deltas):
-            last = i == len(deltas) - 1
-            chunks.append(base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                               "finish_reason": "length" if last else None}]})
+        first = base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]}
+        if ids:
+            first["prompt_token_ids"] = prompt
+        chunks.append(first)
+        for j in range(start, end):
+            choice = {"index": 0, "delta": {"content": tokens[j]}, "logprobs": None,
+                      "finish_reason": "length" if j == end - 1 else None}
+            if ids:
+                choice["token_ids"] = [OUTPUT_ID_BASE + j]
+            chunks.append(base | {"choices": [choice]})
     else:
         base["object"] = "text_completion"
-        for i, token in enumerate(tokens):
-            last = i == len(tokens) - 1
-            chunks.append(base | {"choices": [{"index": 0, "text": token, "logprobs": None,
-                                               "finish_reason": "length" if last else None}]})
+        for j in range(start, end):
+            choice = {"index": 0, "text": tokens[j], "logprobs": None,
+                      "finish_reason": "length" if j == end - 1 else None}
+            if ids:
+                choice["token_ids"] = [OUTPUT_ID_BASE + j]
+                if j == start:
+                    choice["prompt_token_ids"] = prompt
+            chunks.append(base | {"choices": [choice]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(base | {"choices": [], "usage": {
+            "prompt_tokens": len(prompt), "completion_tokens": end - start,
+            "total_tokens": len(prompt) + end - start}})
     frames = [b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks]
     return [*frames, DONE_FRAME]
+
+
+def _continued_from(body: dict[str, Any]) -> int:
+    """How many of the answer's own tokens a token-id prompt already ends with (ids
+    OUTPUT_ID_BASE, OUTPUT_ID_BASE + 1, ... in order)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or type(prompt[-1]) is not int:
+        return 0
+    k = prompt[-1] - OUTPUT_ID_BASE + 1
+    if k <= 0 or k > len(prompt):
+        return 0
+    return k if prompt[-k:] == list(range(OUTPUT_ID_BASE, OUTPUT_ID_BASE + k)) else 0
 
 
 def _error(status: int, type_: str, message: str) -> web.Response:

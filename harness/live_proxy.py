@@ -34,7 +34,8 @@ SETTLE_S = 30.0
 
 
 def proxy_config(prefill: FakeEngine | None, decode: FakeEngine, **overrides: Any) -> ProxyConfig:
-    """The same settings as ``test_proxy_app.proxy``: P/D always, no warm-up, start-up probes only."""
+    """The same settings as ``test_proxy_app.proxy``: P/D always, no warm-up, start-up probes
+    only."""
     settings: dict[str, Any] = {
         "prefill_urls": (prefill.url,) if prefill is not None else (),
         "decode_urls": (decode.url,),

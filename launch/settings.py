@@ -103,6 +103,9 @@ class ProxySettings(BaseModel):
         "504 when the decode engine has not sent its response headers after this long"))
     idle_deadline_s: float = Field(default=_proxy_default("idle_deadline_s"), gt=0, description=(
         "end a stream with an in-band error when decode sends nothing this long"))
+    migration_limit: int = Field(default=_proxy_default("migration_limit"), ge=0, description=(
+        "continue a stream on another decode engine when its own is lost mid-answer, at most "
+        "this many times (0 = end it with an in-band error)"))
     max_inflight: int = Field(default=_proxy_default("max_inflight"), gt=0, description=(
         "requests served at once (admission control)"))
     max_queued: int = Field(default=_proxy_default("max_queued"), ge=0, description=(

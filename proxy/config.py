@@ -81,6 +81,9 @@ class ProxyConfig(BaseModel):
     #: The prefill engines' KV lease (``ConnectorOptions.lease_s``): a hand-off older than
     #: 80 % of it is not sent to another decode engine on a retry (it recomputes instead).
     kv_lease_s: float = Field(default=ConnectorOptions.lease_s, gt=0)
+    #: Times a request may move to another decode engine when its own is lost mid-answer
+    #: (``proxy/migration.py``); 0 = never.
+    migration_limit: int = Field(default=3, ge=0)
 
     @field_validator("policy")
     @classmethod

@@ -19,7 +19,13 @@ from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.engine_bodies import decode_body, release_body
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
-from proxy.errors import StageTimeout, UpstreamError, from_engine_error
+from proxy.errors import (
+    DecodeLost,
+    DecodeStalled,
+    StageTimeout,
+    UpstreamError,
+    from_engine_error,
+)
 from proxy.ledger import Claim, Ledger
 from proxy.metrics import ProxyMetrics
 from proxy.plan import Plan
@@ -126,8 +132,14 @@ class DecodeLeg:
                 data = await stream.read_all()
         except TimeoutError:
             raise StageTimeout("the decode engine did not finish in time") from None
-        except Exception:
-            raise UpstreamError("the decode engine failed while answering") from None
+        except EngineTimeout:
+            raise DecodeStalled("the decode engine stalled while answering",
+                                engine=self.decode.name) from None
+        except Exception as exc:
+            if isinstance(exc, EngineUnreachable):
+                self._pool.mark_down(self.decode)
+            raise DecodeLost("the decode engine failed while answering",
+                             engine=self.decode.name) from None
         finally:
             stream.close()
             self.claim.release()

@@ -14,9 +14,11 @@
     └── ServerError (5xx)
         ├── InternalError         500 internal_error     (a bug of ours; logged, never shown)
         ├── UpstreamError         502 upstream_error     (an engine failed or answered garbage)
+        │   └── DecodeLost        (the decode engine failed after it had answered)
         ├── Overloaded            503 overloaded_error   (admission control; carries Retry-After)
         ├── NoEngineAvailable     503 service_unavailable
         └── StageTimeout          504 timeout_error      (a stage missed its deadline)
+            └── DecodeStalled     (the decode engine went silent after it had answered)
 
 Messages are written for clients: they never carry stack traces or engine internals.
 """
@@ -119,6 +121,22 @@ class NoEngineAvailable(ServerError):
 class StageTimeout(ServerError):
     status = 504
     type = "timeout_error"
+
+
+class DecodeLost(UpstreamError):
+    """``engine`` failed mid-answer: what it sent stands, the rest may continue elsewhere."""
+
+    def __init__(self, message: str, *, engine: str):
+        super().__init__(message)
+        self.engine = engine
+
+
+class DecodeStalled(StageTimeout):
+    """``engine`` sent nothing past the idle deadline mid-answer."""
+
+    def __init__(self, message: str, *, engine: str):
+        super().__init__(message)
+        self.engine = engine
 
 
 def error_body(err: ProxyError) -> dict[str, Any]:

@@ -36,6 +36,14 @@ class ProxyMetrics:
             "pd_stream_errors_total", "Streams ended with an in-band error, by reason.",
             ["reason"], registry=r,
         )
+        self.migrations_total = Counter(
+            "pd_migrations_total", "Requests continued on another decode engine after theirs"
+            " was lost mid-answer, by what happened to it.", ["reason"], registry=r,
+        )
+        self.migrations_failed_total = Counter(
+            "pd_migrations_failed_total", "Mid-answer decode failures not continued elsewhere"
+            " (the client got the error), by why not.", ["reason"], registry=r,
+        )
         self.client_disconnects_total = Counter(
             "pd_client_disconnects_total", "Requests whose client went away before the end.",
             ["stage"], registry=r,

@@ -9,6 +9,8 @@ sent. The parts, each in its own module:
 - ``prefill_leg.py`` — the prefill engine's leg, falling back to local on its failures;
 - ``decode_leg.py`` — the decode request, its retry on another engine, a whole reply;
 - ``relay.py`` — a stream to the client;
+- ``migration.py``, ``transcript.py`` — a stream continued on another engine when its own is
+  lost;
 - ``engine_bodies.py`` — every body sent to an engine;
 - ``ledger.py`` — what the request has outstanding on each engine, released once;
 - ``trace.py`` — stage times and the bookkeeping deferred past the first bytes.
@@ -20,17 +22,19 @@ live cost state that the next decisions use.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_bodies import output_budget
-from proxy.errors import ProxyError
+from proxy.errors import DecodeLost, DecodeStalled, NoEngineAvailable, ProxyError
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
+from proxy.migration import migrating, not_migratable, with_token_ids
 from proxy.plan import Plan, make_plan
 from proxy.policy import PolicyMode, Targets
 from proxy.pool import Engine, EnginePool
@@ -40,6 +44,8 @@ from proxy.requests import ApiRequest
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.tokens import prompt_chars
 from proxy.trace import Trace
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class Orchestrator:
         costs: RouteCosts,
         prompts: TokenizerPool | None = None,
         targets: Targets | None = None,
+        migration_limit: int = 3,
     ):
         self.pool = pool
         #: The routing policy; switched at run time by ``POST /pd/admin/routing``.
@@ -79,13 +86,51 @@ class Orchestrator:
         self.prompts = prompts
         #: The deployment's latency targets (a request's own ``slo`` overrides each).
         self.targets = targets or Targets()
+        #: Times a request may move to another decode engine when its own is lost mid-answer.
+        self.migration_limit = migration_limit
         self._prefill = PrefillLeg(pool, self.ledger, costs, deadlines, metrics)
         self._background: set[asyncio.Task] = set()
 
     async def serve(
         self, req: ApiRequest, prefill: Engine | None = None, decode: Engine | None = None
     ) -> Reply | Stream:
-        """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else the cheapest."""
+        """Serve ``req``; ``prefill``/``decode`` pin the engines (probes), else the cheapest.
+        A decode engine lost mid-answer is replaced (``proxy/migration.py``): a stream is
+        continued on another, a whole reply asked for again there (up to the limit each)."""
+        pinned = prefill is not None or decode is not None
+        limit = 0 if pinned else self.migration_limit
+        if req.stream:
+            inner = with_token_ids(req) if limit and not_migratable(req.body) is None else req
+            stream = await self._serve(inner, prefill, decode)
+            assert isinstance(stream, Stream)
+            return replace(stream, chunks=migrating(req, stream.chunks, self._resume, limit,
+                                                    self.metrics))
+        for attempt in range(limit + 1):
+            try:
+                return await self._serve(req, prefill, decode)
+            except (DecodeLost, DecodeStalled) as exc:
+                reason = "decode_lost" if isinstance(exc, DecodeLost) else "decode_timeout"
+                decode = self.pool.pick_decode(self._load, exclude=exc.engine)
+                if attempt == limit or decode is None:
+                    self.metrics.migrations_failed_total.labels(
+                        "limit" if decode is not None else "no_engine").inc()
+                    raise
+                self.metrics.migrations_total.labels(reason).inc()
+                log.warning("%s: decode %s lost while answering: asked again on %s",
+                            req.request_id, exc.engine, decode.name)
+        raise AssertionError("unreachable")
+
+    async def _resume(self, req: ApiRequest, failed: str) -> AsyncIterator[bytes | ProxyError]:
+        """``req`` (a stream's continuation) on a decode engine other than ``failed``."""
+        decode = self.pool.pick_decode(self._load, exclude=failed)
+        if decode is None:
+            raise NoEngineAvailable("no other decode engine to continue the stream on")
+        stream = await self._serve(req, None, decode)
+        assert isinstance(stream, Stream)
+        return stream.chunks
+
+    async def _serve(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None
+                     ) -> Reply | Stream:
         trace = Trace(time.perf_counter())
         plan = await self.plan(req, prefill, decode)
         self.metrics.decisions_total.labels(plan.decision.route, plan.decision.reason).inc()

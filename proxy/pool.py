@@ -159,8 +159,11 @@ class EnginePool:
         return self._picked(
             _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill"), "prefill")
 
-    def pick_decode(self, cost: Callable[[Engine], float] = _no_cost) -> Engine | None:
-        return self._picked(_cheapest(self.decode, cost, "decode"), "decode")
+    def pick_decode(self, cost: Callable[[Engine], float] = _no_cost,
+                    exclude: str | None = None) -> Engine | None:
+        """The cheapest engine to decode on, never the one named ``exclude`` (it failed)."""
+        return self._picked(
+            _cheapest([e for e in self.decode if e.name != exclude], cost, "decode"), "decode")
 
     def _picked(self, engine: Engine | None, duty: str) -> Engine | None:
         if engine is not None:

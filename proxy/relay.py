@@ -1,10 +1,11 @@
 """Relay a decode stream to the client, bytes exactly as the engine framed them.
 
 Yields each chunk as it arrives (the client has it before any bookkeeping runs), then, when the
-engine fails mid-stream, one :class:`~proxy.errors.ProxyError` for the renderer to turn into an
-in-band error event (``proxy/render.py``). Whatever way the stream ends (done, engine lost or
-silent, client gone) the decode request is closed (vLLM aborts it) and the request's decode
-claim released, in ``finally``.
+engine fails mid-stream, one :class:`~proxy.errors.DecodeLost` or ``DecodeStalled``: the stream
+is continued elsewhere (``proxy/migration.py``, which counts what reaches the client) or the
+renderer turns it into an in-band error event (``proxy/render.py``). Whatever way the stream
+ends (done, engine lost or silent, client gone) the decode request is closed (vLLM aborts it)
+and the request's decode claim released, in ``finally``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
-from proxy.errors import ProxyError, StageTimeout, UpstreamError
+from proxy.errors import DecodeLost, DecodeStalled, ProxyError
 
 _DONE = b"data: [DONE]"
 
@@ -41,11 +42,11 @@ async def relay(leg: DecodeLeg, stream: EngineStream, total_s: float, metrics, p
             raise EngineUnreachable("decode stream ended without [DONE]")
     except (EngineUnreachable, EngineTimeout, TimeoutError) as exc:
         lost = isinstance(exc, EngineUnreachable)
-        metrics.stream_errors_total.labels("decode_lost" if lost else "decode_timeout").inc()
         if lost:
             pool.mark_down(leg.decode)
-        yield (UpstreamError("the decode engine failed mid-stream") if lost
-               else StageTimeout("the decode engine stalled mid-stream"))
+        yield (DecodeLost("the decode engine failed mid-stream", engine=leg.decode.name)
+               if lost else DecodeStalled("the decode engine stalled mid-stream",
+                                          engine=leg.decode.name))
     except (asyncio.CancelledError, GeneratorExit):
         # The client went away: closing the decode stream (below) makes vLLM abort it.
         metrics.client_disconnects_total.labels("streaming").inc()

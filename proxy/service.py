@@ -57,7 +57,8 @@ class ProxyService:
             pool, parse_policy(config.policy), config.deadlines(), metrics, self.costs, prompts,
             targets=Targets(
                 ttft_s=config.slo_ttft_ms / 1e3 if config.slo_ttft_ms else None,
-                itl_s=config.slo_itl_ms / 1e3 if config.slo_itl_ms else None))
+                itl_s=config.slo_itl_ms / 1e3 if config.slo_itl_ms else None),
+            migration_limit=config.migration_limit)
         self.admission = Admission(config.max_inflight, config.max_queued,
                                    config.queue_timeout_s)
         self.warmed = not config.warmup

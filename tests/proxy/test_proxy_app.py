@@ -101,6 +101,25 @@ def sse_events(raw: bytes) -> list[bytes]:
     return [e[len(b"data: "):] for e in events]
 
 
+def client_view(sent: bytes) -> bytes:
+    """What a client that did not ask for token ids gets of the bytes an engine sent: each
+    event without the ``token_ids`` the proxy asked for (events that carried nothing else are
+    left out); events with none, byte for byte."""
+    out = []
+    for event in sent.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            out.append(event + b"\n\n" if event else b"")
+            continue
+        obj = json.loads(event[6:])
+        changed = obj.pop("prompt_token_ids", None) is not None
+        for choice in obj.get("choices", []):
+            changed = choice.pop("prompt_token_ids", None) is not None or changed
+            changed = choice.pop("token_ids", None) is not None or changed
+        out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+                   if changed else event + b"\n\n")
+    return b"".join(out)
+
+
 def split_in_band_error(body: bytes) -> tuple[bytes, dict[str, Any]]:
     """Split a stream that ended in an in-band error into (relayed bytes, the error object).
 
@@ -189,12 +208,25 @@ async def test_stream_relays_engine_bytes_exactly(
     assert resp.headers["x-pd-route"] == "disaggregated"
     assert resp.headers["x-request-id"] == "req-stream"
     assert len(decode.sent_streams) == 1
-    assert resp.content == decode.sent_streams[0]
+    assert b"token_ids" in decode.sent_streams[0] and b"token_ids" not in resp.content
+    assert resp.content == client_view(decode.sent_streams[0])
     assert resp.content.endswith(DONE_FRAME)
     # The prefill leg never streams; the decode leg gets the client's stream settings.
     p, d = prefill.prefill_requests[0], decode.decode_requests[0]
     assert p.body["stream"] is False and "stream_options" not in p.body
-    assert without(d.body, "kv_transfer_params") == body
+    # ...and is asked for the token ids a continuation on another engine would need.
+    assert without(d.body, "kv_transfer_params", "return_token_ids") == body
+    assert d.body["return_token_ids"] is True
+
+
+async def test_a_stream_that_asks_for_token_ids_gets_the_engines_bytes_exactly(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    body = completions_body(stream=True, return_token_ids=True)
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=body)
+    assert resp.status_code == 200 and b'"token_ids":[50000]' in resp.content
+    assert resp.content == decode.sent_streams[0]
 
 
 # --- prefill failures: serve locally and count why -------------------------------------------
@@ -307,7 +339,7 @@ async def test_decode_drop_mid_stream_ends_with_in_band_error(
     # close arrive together, aiohttp raises the payload error before handing out buffered bytes,
     # so the relayed part may be shorter than what the engine wrote, down to nothing.)
     relayed, error = split_in_band_error(resp.content)
-    assert sent.startswith(relayed)
+    assert client_view(sent).startswith(relayed)
     assert error["type"] == "upstream_error"
 
 
@@ -323,7 +355,7 @@ async def test_decode_stall_mid_stream_ends_with_in_band_timeout(
     relayed, error = split_in_band_error(resp.content)
     assert error["type"] == "timeout_error"
     # Normally both frames written before the stall; only a prefix if the host is very slow.
-    assert decode.sent_streams[0].startswith(relayed)
+    assert client_view(decode.sent_streams[0]).startswith(relayed)
     assert decode.sent_streams[0].count(b"\n\n") == 2
 
 

@@ -1,0 +1,171 @@
+"""Stream migration: a decode engine lost mid-stream is not the client's problem.
+
+A stream cut after some tokens is a new prompt: the original prompt's token ids plus the ids
+already relayed (``proxy/transcript.py`` keeps both). Another healthy decode engine, given that
+prompt, ``max_tokens`` less what was delivered and the same sampling parameters, continues the
+answer; the continuation is planned like any request (``Orchestrator.serve`` with the decode
+engine pinned), so the cost model chooses whether its KV is computed there, found in that
+engine's prefix cache or tier, or prefilled elsewhere and moved. With greedy decoding the
+client cannot tell: one ``id``, no token twice or missing, one ``finish_reason``, one
+``[DONE]``, ``usage`` counting the original prompt once. Up to ``limit`` migrations per stream
+(``--migration-limit``); past it, or with no other engine, the stream ends with the in-band
+error it would have had without migration.
+
+What is not continued (:func:`not_migratable`; the in-band error as before): log
+probabilities, ``echo``, stop strings (the engine holds text back while matching them: text a
+continuation would lose), structured output (tools, ``response_format``, guided decoding: the
+grammar's state does not carry over). (``n`` > 1 never gets this far: the proxy serves n=1
+only.) Continued, but not what an uninterrupted run would have
+sent: sampling (a ``seed`` restarts its generator: the continuation is a fresh sample, seeded),
+and presence / frequency penalties (they count output tokens, and the delivered ones become
+prompt). A non-streamed request that fails while answering has delivered nothing: it is served
+again, whole, on another decode engine (``Orchestrator.serve``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from proxy.errors import DecodeLost, DecodeStalled, ProxyError
+from proxy.metrics import ProxyMetrics
+from proxy.requests import ApiRequest
+from proxy.transcript import Transcript
+
+log = logging.getLogger(__name__)
+
+#: ``resume(request, failed engine)``: serve ``request`` on a decode engine other than the one
+#: that failed, returning its chunks (raises a ProxyError when it cannot).
+Resume = Callable[[ApiRequest, str], Awaitable[AsyncIterator[bytes | ProxyError]]]
+
+#: The chat fields a completion of token ids takes over (sampling and output controls).
+_CARRIED_FROM_CHAT = (
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
+    "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "user",
+    "stream", "stream_options", "bad_words", "allowed_token_ids", "priority",
+    "include_stop_str_in_output", "length_penalty", "vllm_xargs",
+)
+_STRUCTURED = ("tools", "functions", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs")
+
+
+def not_migratable(body: Mapping[str, Any]) -> str | None:
+    """Why a continuation of this request could not be what the client asked for (None: it
+    can be continued)."""
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") or (
+            body.get("prompt_logprobs") is not None):
+        return "logprobs"
+    if body.get("echo"):
+        return "echo"
+    if body.get("stop"):
+        return "stop_strings"
+    format_ = body.get("response_format")
+    if any(body.get(k) for k in _STRUCTURED) or (
+            isinstance(format_, Mapping) and format_.get("type") not in (None, "text")):
+        return "structured_output"
+    return None
+
+
+def with_token_ids(req: ApiRequest) -> ApiRequest:
+    """``req`` asking its engines for the token ids a continuation needs."""
+    return replace(req, body={**req.body, "return_token_ids": True})
+
+
+def continuation(req: ApiRequest, transcript: Transcript) -> ApiRequest:
+    """The request that continues ``req`` after what ``transcript`` delivered. Nothing
+    delivered yet: ``req`` itself (on another engine). Else a completion of the prompt's ids
+    plus the delivered ones, with the budget (``max_tokens``, ``min_tokens``) less them."""
+    if not transcript.output_ids or transcript.prompt_ids is None:
+        return req
+    done = len(transcript.output_ids)
+    body = req.body
+    if req.endpoint == "chat":
+        out = {k: body[k] for k in _CARRIED_FROM_CHAT if k in body}
+        budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    else:
+        out = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}
+        budget = body.get("max_tokens")
+    out["prompt"] = transcript.prompt_ids + transcript.output_ids
+    out["return_token_ids"] = True
+    if isinstance(budget, int):
+        out["max_tokens"] = budget - done
+    if isinstance(body.get("min_tokens"), int):
+        out["min_tokens"] = max(0, body["min_tokens"] - done)
+    return replace(req, endpoint="completions", body=out, force_route=None)
+
+
+def budget_left(req: ApiRequest, transcript: Transcript) -> int | None:
+    """Tokens the client's ``max_tokens`` still allows (None: it set none)."""
+    budget = req.body.get("max_completion_tokens", req.body.get("max_tokens"))
+    return budget - len(transcript.output_ids) if isinstance(budget, int) else None
+
+
+async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
+                    resume: Resume, limit: int, metrics: ProxyMetrics
+                    ) -> AsyncIterator[bytes | ProxyError]:
+    """The client's stream: ``chunks`` (a relay), continued through ``resume`` when its engine
+    is lost, up to ``limit`` times. ``req`` is the client's request (without the token ids
+    asked for it); a request that is not migratable passes through untouched."""
+    why_not = not_migratable(req.body) if limit > 0 else "disabled"
+    transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
+                  if why_not is None else None)
+    migrations = 0
+    try:
+        while True:
+            failure: DecodeLost | DecodeStalled | None = None
+            async for item in chunks:
+                if isinstance(item, DecodeLost | DecodeStalled):
+                    failure = item
+                    break
+                if isinstance(item, ProxyError):
+                    yield item
+                    continue
+                out = item if transcript is None else transcript.feed(item)
+                if out:
+                    yield out
+            if failure is None:
+                return
+            reason = "decode_lost" if isinstance(failure, DecodeLost) else "decode_timeout"
+            await _close(chunks)  # the lost leg's cleanup (its claim, its stream) runs now
+            if transcript is not None and (transcript.finished
+                                           or budget_left(req, transcript) == 0):
+                # Every token is out, only the stream's end was lost: end it here.
+                metrics.migrations_total.labels(f"{reason}_at_end").inc()
+                yield transcript.closing(bool((req.body.get("stream_options") or {}).get(
+                    "include_usage")))
+                return
+            if transcript is None or migrations >= limit:
+                metrics.migrations_failed_total.labels(why_not or "limit").inc()
+                metrics.stream_errors_total.labels(reason).inc()
+                yield failure
+                return
+            nxt = continuation(with_token_ids(req), transcript)
+            t0 = time.perf_counter()
+            try:
+                chunks = await resume(nxt, failure.engine)
+            except ProxyError as exc:
+                log.warning("%s: no continuation after %s (%s)", req.request_id, reason,
+                            exc.message)
+                metrics.migrations_failed_total.labels("no_engine").inc()
+                metrics.stream_errors_total.labels(reason).inc()
+                yield failure
+                return
+            migrations += 1
+            transcript.continued(as_completion=nxt.endpoint != req.endpoint)
+            metrics.migrations_total.labels(reason).inc()
+            log.info("%s: stream continued after %s (%d tokens delivered, %.0f ms to resume)",
+                     req.request_id, reason, len(transcript.output_ids),
+                     1e3 * (time.perf_counter() - t0))
+    finally:
+        await _close(chunks)
+
+
+async def _close(chunks: AsyncIterator[bytes | ProxyError]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()

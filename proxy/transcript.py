@@ -1,0 +1,190 @@
+"""What a client has been sent of one stream, event by event: enough to continue it elsewhere.
+
+A stream whose decode engine is lost mid-answer can be continued by another engine given the
+original prompt's token ids plus the ids already relayed (``proxy/migration.py``). To know them,
+the decode request of such a stream asks vLLM for ``return_token_ids``; the :class:`Transcript`
+reads each event the engine sends, records ``prompt_token_ids`` and each choice's
+``token_ids``, and passes the client the event without them (unless the client asked for the
+ids itself).
+
+Events are passed on whole: bytes are held until their ``\\n\\n`` arrives, so an event cut by a
+lost engine is never half-sent, and its tokens are not counted as delivered.
+
+A continuation is another engine's answer to another prompt. Its events are rewritten to read
+as the stream's own (:meth:`Transcript.continued`): the first event's ``id`` and ``created``;
+``usage`` with the original prompt counted once (the continuation's prompt holds the delivered
+tokens: they move back to ``completion_tokens``); and, for a chat stream continued as a
+completion of token ids (vLLM's chat API takes no token-id prompt), each completion choice
+turned into a chat delta.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_DATA = b"data: "
+_DONE = b"[DONE]"
+
+
+class Transcript:
+    def __init__(self, chat: bool, keep_ids: bool):
+        #: The stream is a chat completion (events must read as ``chat.completion.chunk``).
+        self.chat = chat
+        #: The client asked for ``return_token_ids`` itself: leave the output ids in.
+        self.keep_ids = keep_ids
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []
+        self.id: str | None = None
+        self.created: int | None = None
+        self.model: str | None = None
+        #: A choice carried a ``finish_reason``: nothing is left to continue.
+        self.finished = False
+        #: Output ids in the prompt of the engine answering now (0 for the first engine).
+        self._carried = 0
+        #: The engine answering now writes completion events for a chat stream.
+        self._as_chat = False
+        self._held = b""
+        self._changed = False
+
+    def continued(self, as_completion: bool) -> None:
+        """Another engine takes over from here: its prompt carries the ids delivered so far;
+        ``as_completion``: it answers a completion request for this chat stream."""
+        self._carried = len(self.output_ids)
+        self._as_chat = self.chat and as_completion
+        self._held = b""  # an event the lost engine did not finish was never sent
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The client's bytes for ``chunk``: each event it completes, rewritten."""
+        held = self._held + chunk
+        end = held.rfind(b"\n\n")
+        if end < 0:
+            self._held = held
+            return b""
+        self._held = held[end + 2:]
+        out = []
+        for event in held[:end].split(b"\n\n"):
+            rewritten = self._event(event)
+            if rewritten is not None:
+                out.append(rewritten)
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        stripped = event.strip()
+        if not stripped:
+            return None
+        if not stripped.startswith(_DATA) or stripped[len(_DATA):].strip() == _DONE:
+            return stripped + b"\n\n"
+        try:
+            obj = json.loads(stripped[len(_DATA):])
+        except ValueError:
+            return stripped + b"\n\n"
+        if not isinstance(obj, dict) or "error" in obj:
+            return stripped + b"\n\n"
+        self._changed = False
+        obj = self._rewrite(obj)
+        if obj is None:
+            return None
+        if not self._changed:  # nothing to take out or rewrite: the engine's own bytes
+            return stripped + b"\n\n"
+        return _DATA + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + (
+            b"\n\n")
+
+    def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        first_engine = self._carried == 0 and not self._as_chat
+        if self.id is None:
+            self.id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get("model")
+        elif (obj.get("id"), obj.get("created")) != (self.id, self.created):
+            obj["id"], obj["created"] = self.id, self.created
+            self._changed = True
+        self._take_prompt(obj, first_engine)  # chat: on the first event
+        empty = bool(obj.get("choices"))
+        for choice in obj.get("choices") or []:
+            self._take_prompt(choice, first_engine)  # completions: in the first choice
+            ids = choice.get("token_ids") if self.keep_ids else choice.pop("token_ids", None)
+            self._changed = self._changed or (ids is not None and not self.keep_ids)
+            if ids:
+                self.output_ids.extend(ids)
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+            empty = empty and ids is not None and not _has_content(choice) and (
+                choice.get("finish_reason") is None)
+        if empty and not self.keep_ids and not obj.get("usage"):
+            return None  # an event sent only to carry token ids the client did not ask for
+        usage = obj.get("usage")
+        if usage and self._carried:
+            usage["prompt_tokens"] = usage.get("prompt_tokens", 0) - self._carried
+            usage["completion_tokens"] = usage.get("completion_tokens", 0) + self._carried
+            self._changed = True
+        if self._as_chat:
+            obj = self._as_chat_event(obj)
+            self._changed = True
+        return obj
+
+    def _take_prompt(self, holder: dict[str, Any], first_engine: bool) -> None:
+        """Record the prompt's ids from ``holder`` (the first engine's), and take them out
+        unless the client asked for them (a continuation's prompt is never the client's)."""
+        if "prompt_token_ids" not in holder:
+            return
+        prompt = holder["prompt_token_ids"]
+        if prompt is not None and self.prompt_ids is None and first_engine:
+            self.prompt_ids = list(prompt)
+            if self.keep_ids:
+                return
+        del holder["prompt_token_ids"]
+        self._changed = True
+
+    def _as_chat_event(self, obj: dict[str, Any]) -> dict[str, Any]:
+        choices = []
+        for c in obj.get("choices") or []:
+            text = c.get("text") or ""
+            choice: dict[str, Any] = {"index": c.get("index", 0),
+                                      "delta": {"content": text} if text else {},
+                                      "logprobs": None, "finish_reason": c.get("finish_reason")}
+            if c.get("stop_reason") is not None:
+                choice["stop_reason"] = c["stop_reason"]
+            if self.keep_ids and "token_ids" in c:
+                choice["token_ids"] = c["token_ids"]
+            choices.append(choice)
+        out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk",
+                               "created": self.created, "model": obj.get("model", self.model),
+                               "choices": choices}
+        for key in ("usage", "system_fingerprint"):
+            if obj.get(key) is not None:
+                out[key] = obj[key]
+        return out
+
+    def closing(self, usage: bool) -> bytes:
+        """The events that end a stream whose every token was delivered but whose end was
+        lost: the finish (``length``: the budget is spent) unless it came, usage when asked,
+        and ``[DONE]``."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        events: list[dict[str, Any]] = []
+        if not self.finished:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if self.chat:
+                choice.update(delta={}, logprobs=None)
+            else:
+                choice.update(text="", logprobs=None)
+            events.append({"id": self.id, "object": kind, "created": self.created,
+                           "model": self.model, "choices": [choice]})
+        if usage:
+            prompt = len(self.prompt_ids or [])
+            done = len(self.output_ids)
+            events.append({"id": self.id, "object": kind, "created": self.created,
+                           "model": self.model, "choices": [],
+                           "usage": {"prompt_tokens": prompt, "completion_tokens": done,
+                                     "total_tokens": prompt + done}})
+        self.finished = True
+        return b"".join(_DATA + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+                        for e in events) + _DATA + _DONE + b"\n\n"
+
+
+def _has_content(choice: dict[str, Any]) -> bool:
+    """The choice says something beyond its token ids (text, a delta, log probabilities)."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    if isinstance(delta, dict) and any(v not in (None, "", []) for v in delta.values()):
+        return True
+    return choice.get("logprobs") is not None
