@@ -55,3 +55,13 @@ def stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, httpx.
                 parts.append(choice.get("delta", {}).get("content") or "")
         headers = r.headers
     return "".join(parts), headers, frames
+
+
+def proxy_metric(proxy_url: str, name: str, **labels: str) -> float:
+    """One sample of the proxy's ``/metrics`` (0 when the series was never touched)."""
+    text = httpx.get(proxy_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0

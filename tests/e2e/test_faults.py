@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from harness import engine_io
 from harness.prompts import text_of_tokens
 from harness.routes import wait_for
 from tests.e2e.conftest import HEADERS_DEADLINE_S, IDLE_DEADLINE_S, PREFILL_DEADLINE_S
@@ -41,11 +42,7 @@ def kv_usage(url: str) -> float:
 
 
 def proxy_metric(stack, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in httpx.get(stack.proxy_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"{name}{{{want}}} "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return engine_io.proxy_metric(stack.proxy_url, name, **labels)
 
 
 @contextlib.contextmanager

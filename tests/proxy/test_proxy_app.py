@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.fake_engine import DONE_FRAME, TOO_LONG, FakeEngine
-from harness.live_proxy import proxy_config
+from harness.live_proxy import SETTLE_S, proxy_config
 from proxy.app import create_app
 from transport import kv_params
 from transport.kv_params import prefill_request_params
@@ -275,6 +275,9 @@ async def test_prefill_timeout_falls_back(prefill: FakeEngine, decode: FakeEngin
     prefill.prefill_gate = gate = asyncio.Event()
     async with proxy(prefill, decode, prefill_deadline_s=SHORT_S) as client:
         await assert_served_locally(client, decode, "prefill_timeout")
+        # ...and closed the prefill at once (not when the proxy shuts down).
+        await asyncio.wait_for(prefill.prefill_aborted.wait(), SETTLE_S)
+        assert prefill.prefill_aborts == 1
     assert not gate.is_set()  # it really was still hanging when the proxy gave up
     assert len(prefill.prefill_requests) == 1
 
@@ -352,6 +355,9 @@ async def test_decode_stall_mid_stream_ends_with_in_band_timeout(
         resp = await client.post(CHAT_PATH, json=chat_body(stream=True))
         assert resp.status_code == 200
         assert await metric(client, "pd_stream_errors_total", reason="decode_timeout") == 1
+        # The stalled request is closed at once (not when the proxy shuts down).
+        await asyncio.wait_for(decode.decode_aborted.wait(), SETTLE_S)
+        assert decode.decode_aborts == 1
     relayed, error = split_in_band_error(resp.content)
     assert error["type"] == "timeout_error"
     # Normally both frames written before the stall; only a prefix if the host is very slow.
@@ -367,6 +373,9 @@ async def test_decode_never_answers_is_a_504(
     async with proxy(prefill, decode, headers_deadline_s=SHORT_S) as client:
         resp = await client.post(CHAT_PATH, json=chat_body(stream=stream),
                                  headers={"x-request-id": "req-504"})
+        # The stalled request is closed at once (not when the proxy shuts down).
+        await asyncio.wait_for(decode.decode_aborted.wait(), SETTLE_S)
+        assert decode.decode_aborts == 1
     assert_error(resp, 504, "timeout_error")
     assert resp.headers["x-request-id"] == "req-504"
     assert len(decode.decode_requests) == 1

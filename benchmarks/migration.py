@@ -1,0 +1,193 @@
+"""Stream migration, measured: a decode engine killed under concurrent greedy streams.
+
+Ray mode on a local cluster, one prefill and two decode engines (the tiny model). Each run:
+the same ``--streams`` greedy streams (the official ``openai`` client) once uninterrupted (the
+reference), then again with decode-0's vLLM server SIGKILLed once every stream has
+``--kill-after`` chunks; then wait until Ray has restarted it and the proxy sees it healthy.
+Reported per run: streams completed, texts equal to the reference, migrations the proxy
+counted, and the gap each stream saw across the kill. The streams that were on the killed
+engine are the ones the proxy migrated; the client cannot tell which they were, so the
+``migrated`` largest gaps across the kill are taken as theirs (the others only see their
+engine take the continuations in).
+
+What a migrated stream's gap is compared with: one local prefill of a continuation (the prompt
+plus the chunks delivered by the kill, a fresh prompt each time so nothing is cached), timed on
+the surviving decode engine alone, after the run.
+
+Run: ``python -m benchmarks.migration [--runs 3] [--streams 8]``. Writes
+``benchmarks/results/migration.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import exit_on_sigterm, log, save_results
+from harness.engine_io import proxy_metric
+from harness.greedy_streams import greedy_streams
+from harness.prompts import text_of_tokens
+from harness.stack import start_ray
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--kill-after", type=int, default=8, help="chunks every stream has first")
+    p.add_argument("--port", type=int, default=19400)
+    p.add_argument("--name", default="migration")
+    return p.parse_args(argv)
+
+
+def decodes(proxy_url: str) -> dict[str, dict[str, Any]]:
+    engines = httpx.get(proxy_url + "/pd/costs", timeout=10).json()["engines"]
+    return {n: e for n, e in engines.items() if e["role"] == "decode"}
+
+
+def listener_pid(url: str) -> int:
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise RuntimeError(f"nothing listens on {url}")
+
+
+def wait_until(pred, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.5)
+
+
+def idle(proxy_url: str) -> bool:
+    return all(not e["load_tokens"] and not e["engine_requests"] and e["healthy"]
+               and not e["warming"] for e in decodes(proxy_url).values())
+
+
+def local_prefill_s(url: str, model: str, tokens: int, seed: int) -> float:
+    """One prompt of ``tokens`` computed by the engine at ``url`` alone (max_tokens 1)."""
+    body = {"model": model, "prompt": text_of_tokens(tokens, seed=seed), "max_tokens": 1}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
+    prompts = [text_of_tokens(args.prompt_tokens, seed=1000 * run + i)
+               for i in range(args.streams)]
+    url = stack.proxy_url
+
+    def streams(kill=None):
+        return asyncio.run(greedy_streams(url, stack.model_name, prompts, args.max_tokens,
+                                          kill=kill, kill_after=args.kill_after))
+
+    wait_until(lambda: idle(url), "decodes idle", 120)
+    reference = streams()
+    wait_until(lambda: idle(url), "decodes idle", 120)
+    victim = decodes(url)["decode-0"]
+    pid = listener_pid(victim["url"])
+    t_kill = 0.0
+
+    def kill() -> None:
+        nonlocal t_kill
+        os.kill(pid, signal.SIGKILL)
+        t_kill = time.perf_counter()
+
+    before = proxy_metric(url, "pd_migrations_total", reason="decode_lost")
+    killed = streams(kill)
+    migrated = int(proxy_metric(url, "pd_migrations_total", reason="decode_lost") - before)
+    across = []
+    for r in killed:  # the gap that spans the kill (a stream that ended before it: none)
+        spans = [b - a for a, b in zip(r.times, r.times[1:]) if a <= t_kill <= b]
+        across.append(spans[0] if spans else 0.0)
+    survivor = decodes(url)["decode-1"]["url"]
+    prefill = [local_prefill_s(survivor, stack.model_name,
+                               args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k)
+               for k in range(5)]
+    out = {
+        "run": run,
+        "completed": sum(r.finish == "length" for r in killed),
+        "same_text": sum(a.text == b.text for a, b in zip(reference, killed)),
+        "migrated": migrated,
+        "gap_across_kill_s": across,
+        "migrated_gaps_s": sorted(across, reverse=True)[:migrated],
+        "median_gap_at_rest_s": statistics.median(g for r in reference for g in r.gaps()),
+        "local_prefill_of_continuation_s": statistics.median(prefill),
+    }
+    log(f"run {run}: {out['completed']}/{args.streams} completed, {out['same_text']} same "
+        f"text, {migrated} migrated; migrated gaps {[round(g, 3) for g in out['migrated_gaps_s']]}"
+        f" s; one local prefill of a continuation {out['local_prefill_of_continuation_s']:.3f} s")
+    t0 = time.monotonic()
+    wait_until(lambda: (decodes(url).get("decode-0") or {}).get("instance")
+               not in (None, victim["instance"]) and decodes(url)["decode-0"]["healthy"],
+               "decode-0 restarted", 600)
+    out["restart_s"] = time.monotonic() - t0
+    return out
+
+
+def plot(results: dict[str, Any]):
+    def draw(fig) -> None:
+        ax = fig.add_subplot(1, 1, 1)
+        for r in results["runs"]:
+            gaps = r["migrated_gaps_s"]
+            ax.scatter([r["run"]] * len(gaps), [1e3 * g for g in gaps], color="C0",
+                       label="migrated stream's gap across the kill" if r["run"] == 0 else None)
+            ax.scatter([r["run"]], [1e3 * r["local_prefill_of_continuation_s"]], marker="x",
+                       color="C3", s=80,
+                       label="one local prefill of a continuation" if r["run"] == 0 else None)
+        ax.set_xlabel("run")
+        ax.set_ylabel("ms")
+        ax.set_title(f"stream migration: decode-0 killed under {results['streams']} greedy "
+                     "streams (Ray, 1P+2D, tiny)")
+        ax.legend()
+    return draw
+
+
+def main(argv: list[str] | None = None) -> None:
+    exit_on_sigterm()
+    args = parse_args(argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-migration-"))
+    log(f"starting pdserve ray (1P+2D, tiny); logs in {log_dir}")
+    stack = start_ray("tiny", port=args.port, log_dir=log_dir,
+                      extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
+                             "--namespace", f"pdserve-bench-{os.getpid()}",
+                             "--kv-cache-gib", "1"], progress=log)
+    try:
+        runs = [one_run(stack, args, run) for run in range(args.runs)]
+    finally:
+        stack.stop()
+    migrated = [g for r in runs for g in r["migrated_gaps_s"]]
+    prefills = [r["local_prefill_of_continuation_s"] for r in runs]
+    results = {
+        "config": vars(args), "streams": args.streams, "runs": runs,
+        "summary": {
+            "completed": f"{sum(r['completed'] for r in runs)}/{args.streams * args.runs}",
+            "same_text": f"{sum(r['same_text'] for r in runs)}/{args.streams * args.runs}",
+            "median_migrated_gap_s": statistics.median(migrated) if migrated else None,
+            "median_local_prefill_s": statistics.median(prefills),
+            "gap_over_prefill": (statistics.median(migrated) / statistics.median(prefills)
+                                 if migrated else None),
+        },
+    }
+    log(f"summary: {results['summary']}")
+    save_results(args.name, results, plot(results))
+
+
+if __name__ == "__main__":
+    main()

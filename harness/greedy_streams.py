@@ -1,0 +1,68 @@
+"""Concurrent greedy streams through the official ``openai`` client, for the migration tests and
+benchmark: each stream's text, the arrival time of each chunk, and its finish reason. An
+optional ``kill`` runs once every stream has received ``kill_after`` chunks (the moment a
+decode engine is taken away under them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from openai import AsyncOpenAI
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    text: str
+    times: list[float]  # perf_counter of each chunk
+    finish: str | None
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+async def greedy_streams(proxy_url: str, model: str, prompts: Sequence[str], max_tokens: int,
+                         kill: Callable[[], None] | None = None, kill_after: int = 8,
+                         chat: bool = False, timeout_s: float = 300.0) -> list[StreamResult]:
+    client = AsyncOpenAI(base_url=proxy_url + "/v1", api_key="none", max_retries=0,
+                         timeout=timeout_s)
+    counts = [0] * len(prompts)
+
+    async def one(i: int, prompt: str) -> StreamResult:
+        parts: list[str] = []
+        times: list[float] = []
+        finish = None
+        if chat:
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": prompt}],
+                max_tokens=max_tokens, temperature=0, stream=True)
+        else:
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+        async for chunk in stream:
+            times.append(time.perf_counter())
+            for c in chunk.choices:
+                text = c.delta.content if chat else c.text  # type: ignore[union-attr]
+                parts.append(text or "")
+                finish = c.finish_reason or finish
+            counts[i] += 1
+        return StreamResult("".join(parts), times, finish)
+
+    async def killer() -> None:
+        if kill is None:
+            return
+        async with asyncio.timeout(timeout_s):
+            while min(counts) < kill_after:
+                await asyncio.sleep(0.005)
+        kill()
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+            await asyncio.gather(*tasks, killer())
+        return [t.result() for t in tasks]
+    finally:
+        await client.close()

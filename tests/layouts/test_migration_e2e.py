@@ -1,0 +1,55 @@
+"""Stream migration on real engines: the aggregated pool's two vLLM engines each decoding some of
+8 concurrent greedy streams (the official ``openai`` client), one engine SIGKILLed mid-stream;
+every stream completes, each text equal to the same stream's uninterrupted run, and the proxy
+counts the migrations. The killed engine is restarted by dev mode's supervisor; the test waits
+for the proxy to see it healthy again, so the stack is whole for whoever comes next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from harness.engine_io import proxy_metric
+from harness.greedy_streams import greedy_streams
+from harness.prompts import text_of_tokens
+from harness.routes import costs, wait_for
+from tests.layouts.test_layouts import route
+
+STREAMS = 8
+MAX_TOKENS = 192
+VICTIM = "engine-0"
+
+
+def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(pool_stack):
+    stack = pool_stack
+    route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
+    prompts = [text_of_tokens(40, seed=300 + i) for i in range(STREAMS)]
+
+    def run(kill=None):
+        return asyncio.run(greedy_streams(stack.proxy_url, stack.model_name, prompts,
+                                          MAX_TOKENS, kill=kill))
+
+    def kill_victim() -> None:
+        url = costs(stack)["engines"][VICTIM]["url"]
+        (pgid,) = [e["pid"] for e in stack.run_info()["engines"] if e["url"] == url]
+        os.killpg(pgid, signal.SIGKILL)
+
+    reference = run()
+    assert all(r.finish == "length" for r in reference)
+    before = proxy_metric(stack.proxy_url, "pd_migrations_total", reason="decode_lost")
+    route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])  # idle again
+    try:
+        killed = run(kill_victim)
+        migrated = proxy_metric(stack.proxy_url, "pd_migrations_total",
+                                reason="decode_lost") - before
+        gaps = sorted(round(max(r.gaps()), 3) for r in killed)
+        print(f"migrated {migrated:.0f} of {STREAMS} streams; longest gap per stream (s): {gaps}")
+        assert migrated >= 1, "no stream was on the killed engine"
+        assert [r.finish for r in killed] == ["length"] * STREAMS
+        assert [r.text for r in killed] == [r.text for r in reference]
+    finally:
+        wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
+                 f"{VICTIM} restarted and healthy", timeout_s=240)
+        route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
