@@ -76,41 +76,57 @@ def with_token_ids(req: ApiRequest) -> ApiRequest:
     return replace(req, body={**req.body, "return_token_ids": True})
 
 
-def continuation(req: ApiRequest, transcript: Transcript) -> ApiRequest:
-    """The request that continues ``req`` after what ``transcript`` delivered. Nothing
-    delivered yet: ``req`` itself (on another engine). Else a completion of the prompt's ids
-    plus the delivered ones, with the budget (``max_tokens``, ``min_tokens``) less them."""
+#: vLLM's (and OpenAI's) ``max_tokens`` for a completion that sets none.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def budget_left(req: ApiRequest, transcript: Transcript, max_model_len: int | None
+                ) -> int | None:
+    """Tokens the request may still generate: its ``max_tokens`` (a completion's default when
+    unset) less what was delivered; a chat request that set none may fill the context. None:
+    not known (a chat request without ``max_tokens``, the context length not configured)."""
+    body = req.body
+    budget = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(budget, int):
+        if req.endpoint == "completions":
+            budget = COMPLETIONS_DEFAULT_MAX_TOKENS
+        elif max_model_len is not None and transcript.prompt_ids is not None:
+            budget = max_model_len - len(transcript.prompt_ids)
+        else:
+            return None
+    return budget - len(transcript.output_ids)
+
+
+def continuation(req: ApiRequest, transcript: Transcript, left: int) -> ApiRequest:
+    """The request that continues ``req`` after what ``transcript`` delivered, ``left``
+    tokens to go. Nothing delivered yet: ``req`` itself (on another engine). Else a completion
+    of the prompt's ids plus the delivered ones, ``max_tokens`` ``left`` and ``min_tokens``
+    less what was delivered."""
     if not transcript.output_ids or transcript.prompt_ids is None:
         return req
     done = len(transcript.output_ids)
     body = req.body
     if req.endpoint == "chat":
         out = {k: body[k] for k in _CARRIED_FROM_CHAT if k in body}
-        budget = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         out = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}
-        budget = body.get("max_tokens")
+    out.pop("max_completion_tokens", None)
     out["prompt"] = transcript.prompt_ids + transcript.output_ids
     out["return_token_ids"] = True
-    if isinstance(budget, int):
-        out["max_tokens"] = budget - done
+    out["max_tokens"] = left
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - done)
     return replace(req, endpoint="completions", body=out, force_route=None)
 
 
-def budget_left(req: ApiRequest, transcript: Transcript) -> int | None:
-    """Tokens the client's ``max_tokens`` still allows (None: it set none)."""
-    budget = req.body.get("max_completion_tokens", req.body.get("max_tokens"))
-    return budget - len(transcript.output_ids) if isinstance(budget, int) else None
-
-
 async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
-                    resume: Resume, limit: int, metrics: ProxyMetrics
-                    ) -> AsyncIterator[bytes | ProxyError]:
+                    resume: Resume, limit: int, metrics: ProxyMetrics,
+                    max_model_len: int | None = None) -> AsyncIterator[bytes | ProxyError]:
     """The client's stream: ``chunks`` (a relay), continued through ``resume`` when its engine
     is lost, up to ``limit`` times. ``req`` is the client's request (without the token ids
-    asked for it); a request that is not migratable passes through untouched."""
+    asked for it); a request that is not migratable passes through untouched.
+    ``max_model_len``: the engines' context (a chat request without ``max_tokens`` may fill
+    it)."""
     why_not = not_migratable(req.body) if limit > 0 else "disabled"
     transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
                   if why_not is None else None)
@@ -132,19 +148,20 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                 return
             reason = "decode_lost" if isinstance(failure, DecodeLost) else "decode_timeout"
             await _close(chunks)  # the lost leg's cleanup (its claim, its stream) runs now
-            if transcript is not None and (transcript.finished
-                                           or budget_left(req, transcript) == 0):
+            left = budget_left(req, transcript, max_model_len) if transcript else None
+            if transcript is not None and (transcript.finished or left == 0):
                 # Every token is out, only the stream's end was lost: end it here.
                 metrics.migrations_total.labels(f"{reason}_at_end").inc()
                 yield transcript.closing(bool((req.body.get("stream_options") or {}).get(
                     "include_usage")))
                 return
-            if transcript is None or migrations >= limit:
-                metrics.migrations_failed_total.labels(why_not or "limit").inc()
+            if transcript is None or migrations >= limit or left is None:
+                refused = why_not or ("limit" if migrations >= limit else "unknown_budget")
+                metrics.migrations_failed_total.labels(refused).inc()
                 metrics.stream_errors_total.labels(reason).inc()
                 yield failure
                 return
-            nxt = continuation(with_token_ids(req), transcript)
+            nxt = continuation(with_token_ids(req), transcript, left)
             t0 = time.perf_counter()
             try:
                 chunks = await resume(nxt, failure.engine)

@@ -74,6 +74,7 @@ class Orchestrator:
         prompts: TokenizerPool | None = None,
         targets: Targets | None = None,
         migration_limit: int = 3,
+        max_model_len: int | None = None,
     ):
         self.pool = pool
         #: The routing policy; switched at run time by ``POST /pd/admin/routing``.
@@ -88,6 +89,8 @@ class Orchestrator:
         self.targets = targets or Targets()
         #: Times a request may move to another decode engine when its own is lost mid-answer.
         self.migration_limit = migration_limit
+        #: The engines' context length (what a continuation of a chat stream may fill).
+        self.max_model_len = max_model_len
         self._prefill = PrefillLeg(pool, self.ledger, costs, deadlines, metrics)
         self._background: set[asyncio.Task] = set()
 
@@ -104,7 +107,7 @@ class Orchestrator:
             stream = await self._serve(inner, prefill, decode)
             assert isinstance(stream, Stream)
             return replace(stream, chunks=migrating(req, stream.chunks, self._resume, limit,
-                                                    self.metrics))
+                                                    self.metrics, self.max_model_len))
         for attempt in range(limit + 1):
             try:
                 return await self._serve(req, prefill, decode)

@@ -58,7 +58,7 @@ class ProxyService:
             targets=Targets(
                 ttft_s=config.slo_ttft_ms / 1e3 if config.slo_ttft_ms else None,
                 itl_s=config.slo_itl_ms / 1e3 if config.slo_itl_ms else None),
-            migration_limit=config.migration_limit)
+            migration_limit=config.migration_limit, max_model_len=config.max_model_len)
         self.admission = Admission(config.max_inflight, config.max_queued,
                                    config.queue_timeout_s)
         self.warmed = not config.warmup

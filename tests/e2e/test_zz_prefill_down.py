@@ -102,6 +102,12 @@ def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
     """Dev mode restarted the killed prefill engine (same ports, new process). The proxy saw it
     come back, paid the new pair's NIXL handshake with a warm-up request before routing users
     to it, and requests are disaggregated again, their KV pulled over NIXL."""
+    # Run alone (the prefill never killed): kill it here. After the test above it is down, or
+    # back with "restarted" in the log.
+    view = httpx.get(tiny_stack.proxy_url + "/pd/costs", timeout=10).json()["engines"]
+    if view["prefill-0"]["healthy"] and "restarted" not in tiny_stack.output():
+        os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
+        time.sleep(3)  # the proxy's 1 s health probe sees it down
     deadline = time.monotonic() + 300
     with httpx.Client(timeout=60) as client:
         while True:

@@ -234,3 +234,26 @@ async def test_nothing_is_left_outstanding_after_a_migration(engines):
         loads = state.orchestrator.ledger.loads()
         assert all(v.prompt_tokens == v.output_tokens == v.requests == 0
                    for v in loads.values()), loads
+
+
+@pytest.mark.parametrize("path, max_model_len, want", [
+    (COMPLETIONS_PATH, None, 16 - 2),  # vLLM's default for a completion: 16
+    (CHAT_PATH, 4096, "context"),  # a chat answer may fill the context
+    (CHAT_PATH, None, None),  # unknown: not continued
+])
+async def test_a_request_without_max_tokens_keeps_its_budget(engines, path, max_model_len, want):
+    prefill, decode, decode2 = engines
+    body = {COMPLETIONS_PATH: completions_body, CHAT_PATH: chat_body}[path](stream=True)
+    del body["max_tokens"]
+    async with proxy(prefill, decode, **two_decodes(decode, decode2,
+                                                    max_model_len=max_model_len)) as client:
+        resp = await client.post(path, json=body)
+        failed = await metric(client, "pd_migrations_failed_total", reason="unknown_budget")
+    if want is None:
+        assert failed == 1 and b'"upstream_error"' in resp.content
+        return
+    cont = decode2.decode_requests[0].body
+    if want == "context":
+        want = max_model_len - len(cont["prompt"])  # the original prompt + the one relayed
+    assert cont["max_tokens"] == want and "max_completion_tokens" not in cont
+    assert text_of(events(resp.content)) == TEXT
