@@ -13,6 +13,7 @@ from benchmarks.goodput import (
     attainment,
     highest_good_rate,
     is_good,
+    mean_attainment,
     mixed_dataset,
     p99,
     ratio_medians,
@@ -107,3 +108,9 @@ def test_prediction_ratio_medians_from_one_points_bucket_deltas():
     assert medians["itl"]["local"] == pytest.approx(1.0 + 0.1 / 6, abs=1e-3)
     assert medians["itl"]["disaggregated"] == 4.0
     assert medians["ttft"]["local"] is None
+
+
+def test_mean_attainment_is_one_repeats_curve_averaged_over_rates():
+    points = [{"repeat": 0, "attainment": a} for a in (1.0, 0.5, 0.0)] + [
+        {"repeat": 1, "attainment": 0.9}]
+    assert mean_attainment(points, 0) == 0.5 and mean_attainment(points, 1) == 0.9
