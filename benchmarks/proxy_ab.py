@@ -30,15 +30,17 @@ from harness.stack import http_status
 CONFIG = {"served_model_names": ["m"], "policy": "disaggregate", "warmup": False}
 
 
-def serve(tree: Path, port: int, engine: str, log_dir: Path, name: str) -> subprocess.Popen:
-    """The proxy app of ``tree`` (its own ``proxy`` package first on the path)."""
+def serve(tree: Path, port: int, engine: str, log_dir: Path, name: str,
+          extra: dict[str, Any] | None = None) -> subprocess.Popen:
+    """The proxy app of ``tree`` (its own ``proxy`` package first on the path); ``extra``:
+    more of its config."""
     code = ("import json, sys, uvicorn\n"
             "from proxy.app import create_app\nfrom proxy.config import ProxyConfig\n"
             "from proxy.server import uvicorn_config\n"
             "c = ProxyConfig(**json.loads(sys.argv[1]))\n"
             "uvicorn.Server(uvicorn_config(create_app(c), c, '127.0.0.1', int(sys.argv[2])))"
             ".run()\n")
-    config = dict(CONFIG, prefill_urls=[engine], decode_urls=[engine])
+    config = dict(CONFIG, prefill_urls=[engine], decode_urls=[engine], **(extra or {}))
     out = open(log_dir / f"{name}.log", "wb")
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(config), str(port)],
@@ -62,7 +64,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         while http_status(engine + "/health") != 200:
             time.sleep(0.1)
-        procs = {"this": serve(ROOT, args.port, engine, log_dir, "this"),
+        procs = {"this": serve(ROOT, args.port, engine, log_dir, "this",
+                               json.loads(args.this_config)),
                  "other": serve(Path(args.other), args.port + 1, engine, log_dir, "other")}
         urls = {"this": f"http://127.0.0.1:{args.port}",
                 "other": f"http://127.0.0.1:{args.port + 1}"}
@@ -92,7 +95,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if i and i % 500 == 0:
                     log(f"{i}/{args.pairs} pairs")
         base = sorted(ttft["direct_pd"])
-        out: dict[str, Any] = {"pairs": args.pairs, "other": args.other}
+        out: dict[str, Any] = {"pairs": args.pairs, "other": args.other,
+                               "this_config": json.loads(args.this_config)}
         for arm in ("this", "other"):
             xs = sorted(ttft[arm])
             out[arm] = {"ttft_ms": summarize(xs, 1e3),
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=28050)
     p.add_argument("--fake-port", type=int, default=28250)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--this-config", default="{}",
+                   help='JSON: more ProxyConfig for this tree, e.g. {"migration_limit": 0}')
     p.add_argument("--name", default="proxy_ab")
     args = p.parse_args(argv)
     exit_on_sigterm()

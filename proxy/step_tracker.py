@@ -21,6 +21,7 @@ No clock: every call carries its time (``time.perf_counter`` seconds). Call orde
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,9 +71,10 @@ class StepTracker:
     max_pending: int = 4096
     _streams: dict[object, float] = field(default_factory=dict)  # stream -> last frame time
     _reporter: object | None = None
-    _pending: list[_Gap] = field(default_factory=list)
+    #: Gaps and finished work, each in the order of its end time (``now`` only grows).
+    _pending: deque[_Gap] = field(default_factory=deque)
     _running: dict[object, _Work] = field(default_factory=dict)
-    _done: list[_Work] = field(default_factory=list)
+    _done: deque[_Work] = field(default_factory=deque)
 
     @property
     def streams(self) -> int:
@@ -91,11 +93,13 @@ class StepTracker:
         if stream is not self._reporter or frames <= 0 or now <= last:
             return
         gap = _Gap(last, now, frames, len(self._streams))
-        for work in self._done:
+        for work in reversed(self._done):  # by end time: the rest ended before this gap began
+            if work.t1 <= gap.t0:
+                break
             work.claim(gap)
         self._pending.append(gap)
         if len(self._pending) > self.max_pending:
-            self._pending.pop(0)
+            self._pending.popleft()
         self._flush(now)
 
     def stream_ended(self, stream: object) -> None:
@@ -114,7 +118,9 @@ class StepTracker:
         if done is None:
             return
         done.t1, done.prefill_tokens, done.kv_tokens = now, prefill_tokens, kv_tokens
-        for gap in self._pending:
+        for gap in reversed(self._pending):  # by end time: the rest ended before it began
+            if gap.t1 <= done.t0:
+                break
             done.claim(gap)
         self._done.append(done)
         self._flush(now)
@@ -127,15 +133,12 @@ class StepTracker:
         """Samples from the gaps no running work can still claim a share of; arrivals whose
         time for late gaps is over are reported."""
         horizon = min((w.t0 for w in self._running.values()), default=float("inf"))
-        keep = []
-        for gap in self._pending:
-            if gap.t1 < horizon:
-                self.sample(gap.prefill_tokens / gap.frames, gap.streams,
-                            gap.kv_tokens / gap.frames, (gap.t1 - gap.t0) / gap.frames)
-            else:
-                keep.append(gap)
-        self._pending = keep
+        pending = self._pending  # by end time: the ones before the horizon are at the left
+        while pending and pending[0].t1 < horizon:
+            gap = pending.popleft()
+            self.sample(gap.prefill_tokens / gap.frames, gap.streams,
+                        gap.kv_tokens / gap.frames, (gap.t1 - gap.t0) / gap.frames)
         while self._done and self._done[0].t1 + KEEP_DONE_S < now:
-            work = self._done.pop(0)
+            work = self._done.popleft()
             if work.worst_gap_s is not None and self.on_arrival is not None:
                 self.on_arrival(work.route, work.predicted_gap_s, work.worst_gap_s)

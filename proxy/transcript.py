@@ -20,11 +20,16 @@ turned into a chat delta.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import msgspec
 
 _DATA = b"data: "
 _DONE = b"[DONE]"
+#: Every event of a migratable stream is read (and most written back): msgspec's JSON, several
+#: times faster than the standard library's (compact, UTF-8 as vLLM writes it).
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
 
 
 class Transcript:
@@ -76,8 +81,8 @@ class Transcript:
         if not stripped.startswith(_DATA) or stripped[len(_DATA):].strip() == _DONE:
             return stripped + b"\n\n"
         try:
-            obj = json.loads(stripped[len(_DATA):])
-        except ValueError:
+            obj = _decode(stripped[len(_DATA):])
+        except msgspec.DecodeError:
             return stripped + b"\n\n"
         if not isinstance(obj, dict) or "error" in obj:
             return stripped + b"\n\n"
@@ -87,8 +92,7 @@ class Transcript:
             return None
         if not self._changed:  # nothing to take out or rewrite: the engine's own bytes
             return stripped + b"\n\n"
-        return _DATA + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + (
-            b"\n\n")
+        return _DATA + _encode(obj) + b"\n\n"
 
     def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         first_engine = self._carried == 0 and not self._as_chat
@@ -176,8 +180,8 @@ class Transcript:
                            "usage": {"prompt_tokens": prompt, "completion_tokens": done,
                                      "total_tokens": prompt + done}})
         self.finished = True
-        return b"".join(_DATA + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
-                        for e in events) + _DATA + _DONE + b"\n\n"
+        return b"".join(_DATA + _encode(e) + b"\n\n" for e in events) + _DATA + _DONE + (
+            b"\n\n")
 
 
 def _has_content(choice: dict[str, Any]) -> bool:
