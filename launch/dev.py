@@ -27,6 +27,7 @@ from launch.processes import (
     wait_ready,
 )
 from launch.settings import EngineSettings, ProxySettings
+from launch.shutdown import run_server
 from launch.supervisor import Supervisor
 from launch.testbed import LinkSpec, ThrottledLink
 from transport.kv_size import kv_bytes_per_token_for_model
@@ -130,7 +131,7 @@ def run_dev(opts: DevOptions) -> int:
     from proxy.server import uvicorn_config
 
     # SIGTERM (and SIGHUP: the terminal closed) must unwind like Ctrl-C so the engines are
-    # stopped, never orphaned. (uvicorn takes SIGTERM over while it serves, and also unwinds.)
+    # stopped, never orphaned. (While the proxy serves, both stop it first: run_server.)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
     check_ports_free(
@@ -201,8 +202,7 @@ def run_dev(opts: DevOptions) -> int:
         )
         server = uvicorn.Server(uvicorn_config(create_app(config), config, opts.proxy.host,
                                                opts.proxy.port))
-        server.run()
-        return 0
+        return run_server(server)
     except KeyboardInterrupt:
         return 130
     finally:

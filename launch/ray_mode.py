@@ -29,6 +29,7 @@ from launch.isolation import parse_cores, sharing
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from launch.settings import ProxySettings
+from launch.shutdown import run_server
 from proxy.pool import EndpointInfo
 
 log = logging.getLogger(__name__)
@@ -260,8 +261,7 @@ def run_ray(opts: RayOptions) -> int:
               flush=True)
         app = create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler)
         server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
-        server.run()
-        return 0
+        return run_server(server)
     except KeyboardInterrupt:
         return 130
     finally:
