@@ -22,7 +22,7 @@ from harness.engine_io import (
     stream_text,
     success_count,
 )
-from harness.greedy_streams import greedy_streams
+from harness.greedy_streams import NUMERIC_FLIPS_ALLOWED, differing, greedy_streams
 from harness.prompts import text_of_tokens
 
 GOLDEN_LENGTHS = (100, 1000)
@@ -263,7 +263,9 @@ def test_zz_decode_killed_mid_run_streams_continue_and_it_restarts(ray_stack):
           f"{sorted(round(max(r.gaps()), 3) for r in killed)}")
     assert migrated >= 1, "no stream was decoding on decode-0"
     assert [r.finish for r in killed] == ["length"] * 8
-    assert [r.text for r in killed] == [r.text for r in reference]
+    differ = differing(reference, killed)
+    print(f"texts equal to the uninterrupted run's: {8 - len(differ)} of 8")
+    assert len(differ) <= NUMERIC_FLIPS_ALLOWED, differ
 
     # Ray restarted the actor: decode-0 is back (a new engine process, maybe on the same
     # port), the proxy took it as a new engine, it is healthy and serves again.
