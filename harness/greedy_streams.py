@@ -24,12 +24,12 @@ class StreamResult:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
-#: Streams whose text may differ from the uninterrupted run's in one killed run: a continuation
+#: Why a migrated stream's greedy text may differ from the uninterrupted run's: a continuation
 #: recomputes prompt + delivered tokens in one pass where the uninterrupted run decoded them one
 #: by one, and the tiny model (random weights: near-ties everywhere) then flips an occasional
-#: argmax. Seen once in ~80 migrated-run streams; a broken migration (a token lost or repeated)
-#: changes every migrated stream (3-4 of 8 here).
-NUMERIC_FLIPS_ALLOWED = 1
+#: argmax after the switch (CI: 1 and 2 of 8 streams in two runs). So the real-engine tests
+#: allow a difference only in the streams that migrated; token-exactness at the switch (none
+#: lost, none repeated) is proven on the greedy fake (``tests/proxy/test_migration.py``).
 
 
 def differing(reference: Sequence[StreamResult], got: Sequence[StreamResult]) -> list[int]:

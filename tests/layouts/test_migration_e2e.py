@@ -1,8 +1,9 @@
 """Stream migration on real engines: the aggregated pool's two vLLM engines each decoding some of
 8 concurrent greedy streams (the official ``openai`` client), one engine SIGKILLed mid-stream;
-every stream completes, its text equal to the same stream's uninterrupted run (all but at most
-``NUMERIC_FLIPS_ALLOWED``: see there), and the proxy counts the migrations. The killed engine is restarted by dev mode's supervisor; the test waits
-for the proxy to see it healthy again, so the stack is whole for whoever comes next.
+every stream completes, its text equal to the same stream's uninterrupted run (a migrated
+stream may differ after the switch: ``harness.greedy_streams``), and the proxy counts the
+migrations. The killed engine is restarted by dev mode's supervisor; the test waits for the
+proxy to see it healthy again, so the stack is whole for whoever comes next.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import signal
 
 from harness.engine_io import proxy_metric
-from harness.greedy_streams import NUMERIC_FLIPS_ALLOWED, differing, greedy_streams
+from harness.greedy_streams import differing, greedy_streams
 from harness.prompts import text_of_tokens
 from harness.routes import costs, wait_for
 from tests.layouts.test_layouts import route
@@ -50,7 +51,7 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         assert [r.finish for r in killed] == ["length"] * STREAMS
         differ = differing(reference, killed)
         print(f"texts equal to the uninterrupted run's: {STREAMS - len(differ)} of {STREAMS}")
-        assert len(differ) <= NUMERIC_FLIPS_ALLOWED, differ
+        assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
     finally:
         wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
                  f"{VICTIM} restarted and healthy", timeout_s=240)

@@ -22,7 +22,7 @@ from harness.engine_io import (
     stream_text,
     success_count,
 )
-from harness.greedy_streams import NUMERIC_FLIPS_ALLOWED, differing, greedy_streams
+from harness.greedy_streams import differing, greedy_streams
 from harness.prompts import text_of_tokens
 
 GOLDEN_LENGTHS = (100, 1000)
@@ -265,7 +265,7 @@ def test_zz_decode_killed_mid_run_streams_continue_and_it_restarts(ray_stack):
     assert [r.finish for r in killed] == ["length"] * 8
     differ = differing(reference, killed)
     print(f"texts equal to the uninterrupted run's: {8 - len(differ)} of 8")
-    assert len(differ) <= NUMERIC_FLIPS_ALLOWED, differ
+    assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
 
     # Ray restarted the actor: decode-0 is back (a new engine process, maybe on the same
     # port), the proxy took it as a new engine, it is healthy and serves again.
