@@ -13,21 +13,29 @@ import pytest
 from harness.fake_engine import FakeEngine
 
 
-@pytest.fixture
-async def prefill() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine("prefill")
+async def _engine(name: str) -> AsyncIterator[FakeEngine]:
+    engine = FakeEngine(name)
     await engine.start()
     try:
         yield engine
     finally:
         await engine.stop()
+
+
+@pytest.fixture
+async def prefill() -> AsyncIterator[FakeEngine]:
+    async for engine in _engine("prefill"):
+        yield engine
 
 
 @pytest.fixture
 async def decode() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine("decode")
-    await engine.start()
-    try:
+    async for engine in _engine("decode"):
         yield engine
-    finally:
-        await engine.stop()
+
+
+@pytest.fixture
+async def decode2() -> AsyncIterator[FakeEngine]:
+    """A second decode engine (a stream migrates to it)."""
+    async for engine in _engine("decode-2"):
+        yield engine

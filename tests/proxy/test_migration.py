@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -32,16 +31,6 @@ from tests.proxy.test_proxy_app import (
 
 TOKENS = ("The", " quick", " brown", " fox", " jumps", ".")
 TEXT = "".join(TOKENS)
-
-
-@pytest.fixture
-async def decode2() -> AsyncIterator[FakeEngine]:
-    engine = FakeEngine("decode-2")
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 def two_decodes(decode: FakeEngine, decode2: FakeEngine, **overrides: Any):
