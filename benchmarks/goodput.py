@@ -322,9 +322,9 @@ def ratio_medians(delta: dict[str, float]) -> dict[str, dict[str, float | None]]
     return out
 
 
-def _post(url: str, body: dict[str, Any] | None) -> None:
+def _post(url: str, body: dict[str, Any] | None, headers: dict[str, str]) -> None:
     req = urllib.request.Request(url, method="POST", data=json.dumps(body or {}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             r.read()
@@ -332,7 +332,8 @@ def _post(url: str, body: dict[str, Any] | None) -> None:
         pass  # a reset refused while a block is still held: tried again below
 
 
-def cold_caches(proxy: str, model: str, timeout_s: float = 120.0) -> None:
+def cold_caches(proxy: str, model: str, engine_headers: dict[str, str],
+                timeout_s: float = 120.0) -> None:
     """Empty both engines' prefix caches, and the proxy's index of them, so each arm starts
     cold. Every arm gets the same prompts: without this the first arm at a point computes
     them and the others find them cached (the arms' order would decide their TTFTs). vLLM's
@@ -347,8 +348,9 @@ def cold_caches(proxy: str, model: str, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"prefix caches not emptied in {timeout_s:.0f}s")
         for e in engines:
-            _post(e["url"] + "/reset_prefix_cache", None)
-            _post(e["url"] + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 1})
+            _post(e["url"] + "/reset_prefix_cache", None, engine_headers)
+            _post(e["url"] + "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 1},
+                  engine_headers)
         time.sleep(0.5)
 
 
@@ -395,7 +397,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
             # Unloaded figures: one request at a time on an idle aggregated deployment.
             set_routing(proxy, arms["aggregated"])
             wait_idle(proxy)
-            cold_caches(proxy, served)
+            cold_caches(proxy, served, stack.engine_headers)
             wait_idle(proxy)
             single = bench(proxy, served, tokenizer, workload, 4 * len(mix), math.inf,
                            args.seed + 1, data_dir, concurrency=1)
@@ -412,7 +414,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                        "itl_s": args.itl_factor * unloaded["itl_s"]}
             # Capacity: a burst on aggregated.
             wait_idle(proxy)
-            cold_caches(proxy, served)
+            cold_caches(proxy, served, stack.engine_headers)
             wait_idle(proxy)
             burst = bench(proxy, served, tokenizer, workload, n, math.inf, args.seed + 2,
                           data_dir)
@@ -435,7 +437,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                     for arm in order:
                         set_routing(proxy, arms[arm])
                         wait_idle(proxy)
-                        cold_caches(proxy, served)
+                        cold_caches(proxy, served, stack.engine_headers)
                         wait_idle(proxy)
                         before = proxy_metrics(proxy)
                         seed = args.seed + 100 * repeat + i  # same prompts, cold caches

@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     windows: list[tuple[str, str, float, float]] = []  # (arm, kind, start, end)
     prefill_s: dict[str, list[float]] = {"tree": [], "compute": []}
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=stack.engine_headers) as session:
             stop = asyncio.Event()
 
             async def stream(i: int) -> list[float]:

@@ -79,11 +79,12 @@ def idle(proxy_url: str) -> bool:
                and not e["warming"] for e in decodes(proxy_url).values())
 
 
-def local_prefill_s(url: str, model: str, tokens: int, seed: int) -> float:
+def local_prefill_s(url: str, model: str, tokens: int, seed: int, headers: dict[str, str]
+                    ) -> float:
     """One prompt of ``tokens`` computed by the engine at ``url`` alone (max_tokens 1)."""
     body = {"model": model, "prompt": text_of_tokens(tokens, seed=seed), "max_tokens": 1}
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120, headers=headers)
     r.raise_for_status()
     return time.perf_counter() - t0
 
@@ -118,7 +119,8 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
         across.append(spans[0] if spans else 0.0)
     survivor = decodes(url)["decode-1"]["url"]
     prefill = [local_prefill_s(survivor, stack.model_name,
-                               args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k)
+                               args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k,
+                               stack.engine_headers)
                for k in range(5)]
     out = {
         "run": run,

@@ -64,7 +64,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         while http_status(engine + "/health") != 200:
             time.sleep(0.1)
-        procs = {"this": serve(ROOT, args.port, engine, log_dir, "this",
+        procs = {"this": serve(Path(args.this), args.port, engine, log_dir, "this",
                                json.loads(args.this_config)),
                  "other": serve(Path(args.other), args.port + 1, engine, log_dir, "other")}
         urls = {"this": f"http://127.0.0.1:{args.port}",
@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if i and i % 500 == 0:
                     log(f"{i}/{args.pairs} pairs")
         base = sorted(ttft["direct_pd"])
-        out: dict[str, Any] = {"pairs": args.pairs, "other": args.other,
+        out: dict[str, Any] = {"pairs": args.pairs, "other": args.other, "this_tree": args.this,
                                "this_config": json.loads(args.this_config)}
         for arm in ("this", "other"):
             xs = sorted(ttft[arm])
@@ -117,6 +117,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.proxy_ab", description=__doc__)
     p.add_argument("--other", required=True, help="another checkout of pdserve")
+    p.add_argument("--this", default=str(ROOT),
+                   help="the checkout measured as 'this' (default: this tree; bisecting)")
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--port", type=int, default=28050)
     p.add_argument("--fake-port", type=int, default=28250)

@@ -297,13 +297,13 @@ async def run_pairs(session: aiohttp.ClientSession, arms: dict[str, Request], n:
 
 
 async def run_setup(name: str, arms: dict[str, Request], counts: dict[int, int], repeats: int,
-                    cpu_pids: dict[str, int], seed: int | None, pairs: int = 0
-                    ) -> dict[str, Any]:
+                    cpu_pids: dict[str, int], seed: int | None, pairs: int = 0,
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     blocks: list[dict[str, Any]] = []
     paired: dict[str, Any] | None = None
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         # one short unmeasured block per arm: connections, caches, first-request paths
         for arm, request in arms.items():
             await run_block(session, request, 8, 2, {})
@@ -523,7 +523,8 @@ async def real_setup(args: argparse.Namespace, levels: list[int], log_dir: Path
             "proxy": stream_arm(stack.proxy_url, body),
         }
         return await run_setup("real", arms, counts, args.repeats,
-                               {"proxy": stack.popen.pid}, args.seed, pairs=pairs)
+                               {"proxy": stack.popen.pid}, args.seed, pairs=pairs,
+                               headers=stack.engine_headers)
     finally:
         log("[real] stopping pdserve dev")
         stack.stop()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -56,7 +57,7 @@ from benchmarks.common import (
     timed_stream,
     wait_ports_free,
 )
-from harness.stack import start_dev
+from harness.stack import ENGINE_KEY_ENV, start_dev
 from transport import kv_params
 
 CHAT = "/v1/chat/completions"
@@ -382,8 +383,11 @@ async def dev_phase(args: argparse.Namespace, prompts: Prompts, log_dir: Path
                                    kv_events_base_port=args.kv_events_base_port)
             out["startup_s"] = stack.startup_s
             log(f"[dev] /health=200 after {stack.startup_s:.0f}s")
+        # Attached to a running stack: its engine key from the environment it was started with.
+        key = stack.engine_key if stack is not None else os.environ.get(ENGINE_KEY_ENV, "")
         async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            headers={"Authorization": f"Bearer {key}"} if key else None,
         ) as session:
             client = Client(session, prompts, args, *urls)
             if stack is not None and args.first_requests > 0:

@@ -42,9 +42,10 @@ def reset_decode_cache(stack, body: dict) -> None:
     def dropped() -> bool:
         # A reset fails (vLLM logs it) while a request holds blocks, e.g. one of the proxy's
         # link re-probes: so reset again until the index agrees.
-        r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30)
+        r = httpx.post(stack.decode_url + "/reset_prefix_cache", timeout=30,
+                       headers=stack.engine_headers)
         assert r.status_code == 200, r.text
-        httpx.post(stack.decode_url + "/v1/completions", timeout=60,
+        httpx.post(stack.decode_url + "/v1/completions", timeout=60, headers=stack.engine_headers,
                    json={"model": stack.model_name, "prompt": "x", "max_tokens": 1})
         return cached_on(stack, body, "decode-0") == 0
 
@@ -55,7 +56,8 @@ def cache_on_prefill(stack, doc: str, doc_tokens: int) -> None:
     """Compute ``doc`` on the prefill engine alone (a plain request: its prefix cache keeps it)
     and wait until the proxy's index has learned it from the engine's KV events."""
     body = {"model": stack.model_name, "prompt": doc, "max_tokens": 1}
-    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120, json=body)
+    r = httpx.post(stack.prefill_url + "/v1/completions", timeout=120, json=body,
+                   headers=stack.engine_headers)
     assert r.status_code == 200
     wait_for(lambda: cached_on(stack, body, "prefill-0") >= 0.8 * doc_tokens,
              "prefill index to learn the document")
@@ -76,7 +78,7 @@ def ttft_stream(client: httpx.Client, url: str, body: dict) -> tuple[float, http
 
 def measure_local(stack, body: dict) -> float:
     reset_decode_cache(stack, body)
-    with httpx.Client(timeout=300) as c:
+    with httpx.Client(timeout=300, headers=stack.engine_headers) as c:
         return ttft_stream(c, stack.decode_url + "/v1/completions", body)[0]
 
 
@@ -85,7 +87,7 @@ def measure_disaggregated(stack, body: dict) -> float:
     reset_decode_cache(stack, body)
     pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
-    with httpx.Client(timeout=300) as c:
+    with httpx.Client(timeout=300, headers=stack.engine_headers) as c:
         t0 = time.perf_counter()
         reply = c.post(stack.prefill_url + "/v1/completions", json=pbody).json()
         prefill_s = time.perf_counter() - t0

@@ -26,6 +26,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK_ENV = "PDSERVE_STACK_ID"
+#: The deployment's engine key, chosen by the harness so tests may call engines directly.
+ENGINE_KEY_ENV = "PDSERVE_ENGINE_KEY"
 MODEL_NAMES = {"tiny": "pdserve-tiny", "smollm2": "SmolLM2-135M-Instruct"}
 
 
@@ -38,6 +40,8 @@ class Stack:
     model_name: str
     stack_id: str
     t_launch: float
+    #: The secret the engines require on every path but /health and /metrics.
+    engine_key: str = ""
     #: Dev mode's engines (Ray mode: ask the proxy, ``engines()``).
     prefill_url: str = ""
     decode_url: str = ""
@@ -48,6 +52,11 @@ class Stack:
     @property
     def output_path(self) -> Path:
         return self.log_dir / f"pdserve-{self.mode}.out"
+
+    @property
+    def engine_headers(self) -> dict[str, str]:
+        """Headers a direct call to one of this stack's engines needs."""
+        return {"Authorization": f"Bearer {self.engine_key}"}
 
     @property
     def startup_s(self) -> float:
@@ -168,12 +177,14 @@ def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: st
             progress: Callable[[str], None] | None) -> Stack:
     log_dir.mkdir(parents=True, exist_ok=True)
     stack_id = uuid.uuid4().hex
+    engine_key = uuid.uuid4().hex
     out_path = log_dir / f"pdserve-{mode}.out"
     out = open(out_path, "wb")
     t_launch = time.perf_counter()
     popen = subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT,
                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=dict(os.environ, **{STACK_ENV: stack_id}),
+                             env=dict(os.environ, **{STACK_ENV: stack_id,
+                                                     ENGINE_KEY_ENV: engine_key}),
                              # Dev mode stays in the caller's session, as a user's terminal
                              # would run it (sessions are CPU-scheduling groups here:
                              # kernel.sched_autogroup_enabled); Ray mode gets its own, so its
@@ -181,7 +192,7 @@ def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: st
                              start_new_session=mode == "ray")
     out.close()
     stack = Stack(mode, popen, f"http://127.0.0.1:{port}", log_dir, model_name, stack_id,
-                  t_launch)
+                  t_launch, engine_key)
     deadline = time.monotonic() + timeout_s
     last_note = time.perf_counter()
     try:

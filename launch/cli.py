@@ -36,6 +36,7 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
                    help="leave an engine that dies down (default: restart it, with backoff)")
     p.add_argument("--log-dir", type=Path, default=DevOptions.log_dir)
     p.add_argument("--start-timeout-s", type=float, default=DevOptions.start_timeout_s)
+    _add_observability(p)
     _add_settings(p)
 
 
@@ -64,7 +65,31 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
                    help="engine logs, on each engine's node")
     p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
+    _add_observability(p)
     _add_settings(p)
+
+
+def _add_observability(p: argparse.ArgumentParser) -> None:
+    from launch.observability.setup import ObservabilityOptions as O
+
+    g = p.add_argument_group("observability")
+    g.add_argument("--observability", action="store_true",
+                   help="also run a Prometheus (the `prometheus` binary) scraping the proxy and "
+                        "every engine; the targets file is kept current either way")
+    g.add_argument("--prometheus-port", type=int, default=O.prometheus_port)
+    g.add_argument("--scrape-interval-s", type=float, default=O.scrape_interval_s)
+    g.add_argument("--observability-dir", type=Path, default=None,
+                   help="targets file, Prometheus config and data (default: "
+                        f"<log-dir>/observability in dev mode, {O.workdir} in Ray mode)")
+
+
+def _observability(args: argparse.Namespace, default_dir: Path):
+    from launch.observability.setup import ObservabilityOptions
+
+    return ObservabilityOptions(prometheus=args.observability,
+                                prometheus_port=args.prometheus_port,
+                                scrape_interval_s=args.scrape_interval_s,
+                                workdir=args.observability_dir or default_dir)
 
 
 def _add_settings(p: argparse.ArgumentParser) -> None:
@@ -86,6 +111,7 @@ def _settings(args: argparse.Namespace):
 
 def _run_ray(args: argparse.Namespace) -> int:
     from launch.models import ensure_model
+    from launch.observability.setup import ObservabilityOptions
     from launch.ray_engine import EngineTemplate
     from launch.ray_mode import RayOptions, run_ray
 
@@ -103,6 +129,7 @@ def _run_ray(args: argparse.Namespace) -> int:
         address=args.address, namespace=args.namespace, local_num_cpus=args.num_cpus,
         accelerator=args.accelerator, max_restarts=args.max_restarts,
         start_timeout_s=args.start_timeout_s, proxy=proxy,
+        observability=_observability(args, ObservabilityOptions.workdir),
     ))
 
 
@@ -193,6 +220,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         layout=args.layout,
         engines=engines,
         proxy=proxy,
+        observability=_observability(args, args.log_dir / "observability"),
     ))
 
 

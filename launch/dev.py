@@ -16,10 +16,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
+from launch.engine_guard import deployment_key
 from launch.engines import EngineSpec, check_kv_capacity, default_dtype, detect_device
 from launch.isolation import guard
+from launch.observability.setup import ObservabilityOptions, Observer
 from launch.processes import (
     EngineProcess,
+    check_endpoints_free,
     check_ports_free,
     reporting_shutdown,
     start_engine,
@@ -56,10 +59,11 @@ class DevOptions:
     layout: str = "disaggregated"
     engines: EngineSettings = field(default_factory=EngineSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
 
 
-def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
-                 ) -> tuple[EngineSpec, EngineSpec]:
+def engine_specs(opts: DevOptions, link: ThrottledLink | None = None,
+                 api_key: str | None = None) -> tuple[EngineSpec, EngineSpec]:
     device = detect_device()
     base = EngineSpec(
         role="prefill",
@@ -75,6 +79,7 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None
         extra_args=opts.engines.vllm_args(),
         kv_events_port=opts.kv_events_base_port,
         dev_endpoints=opts.engines.engine_dev_endpoints,
+        api_key=api_key,
     )
     cores = (os.cpu_count() or 1) >= 2 and device == "cpu"
     prefill = replace(base, cpu_cores="0" if cores else None)
@@ -141,14 +146,15 @@ def run_dev(opts: DevOptions) -> int:
             ("decode engine", opts.engine_base_port + 1),
             ("prefill NIXL side channel", opts.side_channel_base_port),
             ("decode NIXL side channel", opts.side_channel_base_port + 1),
-            ("prefill KV events", opts.kv_events_base_port),
-            ("decode KV events", opts.kv_events_base_port + 1),
+            *([("prometheus", opts.observability.prometheus_port)]
+              if opts.observability.prometheus else []),
         ]
     )
     log_dir = opts.log_dir
     engines: list[EngineProcess] = []
     link: ThrottledLink | None = None
     supervisor: Supervisor | None = None
+    observer: Observer | None = None
     device = detect_device()
     check_kv_capacity(device, opts.engines.max_model_len, opts.engines.kv_blocks,
                       opts.engines.kv_cache_gib,
@@ -161,7 +167,10 @@ def run_dev(opts: DevOptions) -> int:
             link = ThrottledLink().create()
             link.set_rate(LinkSpec(rate_mbit=opts.link_mbit or None))
             print(f"throttled link: {link}", file=sys.stderr)
-        prefill_spec, decode_spec = engine_specs(opts, link)
+        key = deployment_key()
+        prefill_spec, decode_spec = engine_specs(opts, link, api_key=key)
+        check_endpoints_free([(f"{s.role} KV events", s.kv_events_endpoint or "")
+                              for s in (prefill_spec, decode_spec)])
         for spec in (prefill_spec, decode_spec):
             engines.append(start_engine(spec, log_dir))
         _write_run_file(log_dir, opts, engines)
@@ -189,8 +198,12 @@ def run_dev(opts: DevOptions) -> int:
             tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
             max_model_len=opts.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
+            engine_key=key,
         )
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
+        names = ("engine-0", "engine-1") if pooled else ("prefill-0", "decode-0")
+        observer = Observer(opts.observability, url, [
+            (name, spec.role, spec.url) for name, spec in zip(names, (prefill_spec, decode_spec))])
         auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if opts.proxy.api_key else ""
         print(
             f"\npdserve is serving {opts.served_model_name} at {url}/v1\n"
@@ -207,6 +220,8 @@ def run_dev(opts: DevOptions) -> int:
         return 130
     finally:
         with reporting_shutdown():
+            if observer is not None:
+                observer.stop()
             if supervisor is not None:
                 supervisor.stop()
             stop_engines(engines)

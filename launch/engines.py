@@ -7,12 +7,15 @@ Only ``launch`` decides ports, cores and devices; the role packages add their ow
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import decode.role
 import prefill.role
+from launch.engine_guard import KEY_ENV, EngineGuard
 from launch.settings import EngineSettings
 from transport.connector import ConnectorOptions, Role, kv_transfer_config_json
 from transport.kv_events import kv_events_config
@@ -51,14 +54,53 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     #: Environment variables set for this engine on top of the launcher's own.
     extra_env: tuple[tuple[str, str], ...] = ()
+    #: The deployment's secret: every path but /health and /metrics needs it
+    #: (``launch/engine_guard.py``). None: the engine is open to anyone who reaches it.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    @property
     def kv_events_endpoint(self) -> str | None:
-        return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
+        """Where subscribers connect for this engine's KV events.
+
+        The events carry prompts' token ids. vLLM's publisher binds TCP only on every interface
+        (``tcp://*:port``; a narrower address makes it connect instead), so an engine on
+        loopback publishes on a Unix socket in a directory only this user may enter
+        (:func:`private_socket_dir`), and one on a node address on ``*:port``."""
+        if self.kv_events_port is None:
+            return None
+        if self.loopback:
+            return f"ipc://{private_socket_dir()}/kv-events-{self.kv_events_port}"
+        return f"tcp://{self.host}:{self.kv_events_port}"
+
+    @property
+    def kv_events_bind(self) -> str | None:
+        """The publisher's own endpoint (``--kv-events-config``)."""
+        if self.kv_events_port is None or self.loopback:
+            return self.kv_events_endpoint
+        return f"tcp://*:{self.kv_events_port}"
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host == "localhost"
+
+
+def private_socket_dir(root: Path = Path("/tmp")) -> Path:
+    """``/tmp/pdserve-<uid>``: this user's Unix sockets; refused when another user owns it or
+    may enter it (a planted directory would let them read or impersonate the publishers)."""
+    path = root / f"pdserve-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of user {os.getuid()} with mode 0700")
+    return path
 
 
 #: vLLM 0.32's KV block size when none is given: 128 tokens on the CPU platform (non-MLA
@@ -128,8 +170,10 @@ def engine_argv(spec: EngineSpec) -> list[str]:
     ]
     if spec.device == "cuda":
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
-    if spec.kv_events_port is not None:
-        argv += ["--kv-events-config", kv_events_config(spec.kv_events_port)]
+    if spec.kv_events_bind is not None:
+        argv += ["--kv-events-config", kv_events_config(spec.kv_events_bind)]
+    if spec.api_key is not None:  # the key itself goes by environment (engine_env), never argv
+        argv += ["--middleware", f"{EngineGuard.__module__}.{EngineGuard.__name__}"]
     argv += list(spec.extra_args)
     if spec.netns is not None:
         argv = ["ip", "netns", "exec", spec.netns, *argv]
@@ -152,11 +196,14 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
         env.setdefault("HF_HUB_OFFLINE", "1")
     if spec.ucx_device is not None:
         env["UCX_NET_DEVICES"] = spec.ucx_device
-    elif spec.host.startswith("127.") or spec.host == "localhost":
+    elif spec.loopback:
         env.setdefault("UCX_NET_DEVICES", "lo")
     if spec.dev_endpoints:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(spec.extra_env)
+    env.pop(KEY_ENV, None)  # a key of the launcher's own environment is not this engine's
+    if spec.api_key is not None:
+        env[KEY_ENV] = spec.api_key
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gib))
         env["KMP_BLOCKTIME"] = "0"

@@ -57,6 +57,29 @@ def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") 
         )
 
 
+def check_endpoints_free(endpoints: Sequence[tuple[str, str]]) -> None:
+    """Raise PortBusy naming every (purpose, endpoint) that something already serves: TCP
+    ports (``tcp://host:port``, checked on loopback like :func:`check_ports_free`) and Unix
+    sockets (``ipc://path``, which ZMQ would silently take over from their owner)."""
+    busy = []
+    for purpose, endpoint in endpoints:
+        if endpoint.startswith("ipc://"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(endpoint.removeprefix("ipc://"))
+                except OSError:
+                    continue
+            busy.append(f"{endpoint} ({purpose})")
+        elif endpoint.startswith("tcp://"):
+            try:
+                check_ports_free([(purpose, int(endpoint.rsplit(":", 1)[1]))])
+            except PortBusy:
+                busy.append(f"{endpoint} ({purpose})")
+    if busy:
+        raise PortBusy("already in use: " + ", ".join(busy) + ". Is another pdserve running? "
+                       "Stop it or pick other ports (--kv-events-base-port).")
+
+
 @dataclass
 class EngineProcess:
     spec: EngineSpec

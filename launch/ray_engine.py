@@ -44,6 +44,11 @@ class EngineTemplate:
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
     log_dir: str = "/tmp/pdserve-ray-logs"
     engines: EngineSettings = field(default_factory=EngineSettings)
+    #: The address every engine binds: None = its node's cluster address; a local cluster
+    #: (one machine) uses loopback.
+    bind_host: str | None = None
+    #: The deployment's secret (``launch/engine_guard.py``), set by ``pdserve ray``.
+    api_key: str | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,6 +132,7 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         extra_args=template.engines.vllm_args(),
         ucx_device=interface_of(node_ip),
         dev_endpoints=template.engines.engine_dev_endpoints,
+        api_key=template.api_key,
     )
 
 
@@ -143,9 +149,10 @@ class EngineHost:
         self.role = role
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         model_path = str(ensure_model(t.model))
-        node_ip = ray.util.get_node_ip_address()
-        self._ports = PortReservation(node_ip, 3)
-        self.spec = engine_spec_for_node(t, role, ordinal, node_ip, self._ports.ports,
+        self.node_ip = ray.util.get_node_ip_address()
+        host = t.bind_host or self.node_ip
+        self._ports = PortReservation(host, 3)
+        self.spec = engine_spec_for_node(t, role, ordinal, host, self._ports.ports,
                                          model_path)
         self.kv_bytes_per_token = (kv_bytes_per_token_for_model(model_path, self.spec.dtype)
                                    if os.path.isdir(model_path) else None)
@@ -186,7 +193,7 @@ class EngineHost:
         return {
             "name": self.name, "role": self.role, "url": self.spec.url,
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
-            "node_ip": self.spec.host, "device": self.spec.device, "dtype": self.spec.dtype,
+            "node_ip": self.node_ip, "device": self.spec.device, "dtype": self.spec.dtype,
             "cpu_cores": self.spec.cpu_cores,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
             "restarted": self.restarted, "failed": self.failed,

@@ -20,12 +20,15 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
+from launch.engine_guard import deployment_key
 from launch.isolation import parse_cores, sharing
+from launch.observability.setup import ObservabilityOptions, Observer
+from launch.observability.targets import ObservedDirectory
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from launch.settings import ProxySettings
@@ -64,6 +67,7 @@ class RayOptions:
     max_restarts: int = -1
     start_timeout_s: float = 900.0
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
 
 
 def actor_resources(accelerator: str) -> dict[str, Any]:
@@ -225,7 +229,12 @@ def run_ray(opts: RayOptions) -> int:
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
-    scaler = RayScaler(opts.namespace, opts.template, accelerator, opts.max_restarts)
+    key = deployment_key()
+    template = replace(opts.template, api_key=key,
+                       bind_host=opts.template.bind_host or ("127.0.0.1" if opts.address is None
+                                                             else None))
+    scaler = RayScaler(opts.namespace, template, accelerator, opts.max_restarts)
+    observer: Observer | None = None
     try:
         scaler.create("prefill", opts.prefill)
         scaler.create("decode", opts.decode)
@@ -254,18 +263,24 @@ def run_ray(opts: RayOptions) -> int:
             tokenizer=opts.model_path if Path(opts.model_path).is_dir() else None,
             max_model_len=opts.template.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
+            engine_key=key,
         )
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "
               f"is serving {opts.template.served_model_name} at {url}/v1\n", file=sys.stderr,
               flush=True)
-        app = create_app(config, directory=RayDirectory(opts.namespace), scaler=scaler)
+        observer = Observer(opts.observability, url, [
+            (i["name"], i["role"], i["url"]) for i in infos])
+        directory = ObservedDirectory(RayDirectory(opts.namespace), observer.targets)
+        app = create_app(config, directory=directory, scaler=scaler)
         server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
         return run_server(server)
     except KeyboardInterrupt:
         return 130
     finally:
         with reporting_shutdown():
+            if observer is not None:
+                observer.stop()
             if not ray_gone.is_set():  # else the engines went with the cluster's workers
                 scaler.stop_all()
                 ray.shutdown()

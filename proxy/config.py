@@ -55,7 +55,11 @@ class ProxyConfig(BaseModel):
     #: Re-measure a pair's link with one disaggregated probe when it saw no hand-over for this
     #: long (0 = never).
     reprobe_s: float = Field(default=30.0, ge=0)
-    api_key: str | None = None
+    #: The bearer token clients must send on /v1/* (None: open).
+    api_key: str | None = Field(default=None, repr=False)
+    #: The deployment's secret the proxy sends its engines (``launch/engine_guard.py``); None:
+    #: engines that take anyone's calls.
+    engine_key: str | None = Field(default=None, repr=False)
     #: When False, /health and /metrics also require the API key.
     public_health: bool = True
     body_limit_bytes: int = Field(default=4 * 1024 * 1024, gt=0)

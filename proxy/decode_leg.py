@@ -15,6 +15,8 @@ import asyncio
 import logging
 import time
 
+from prometheus_client import Histogram
+
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.engine_bodies import decode_body, release_body
@@ -55,6 +57,8 @@ class DecodeLeg:
         self.local_was_idle = False
         self._streaming = False
         self._streams_at_send = 0
+        self._last_frame_at = 0.0
+        self._itl: Histogram | None = None  # pd_itl_seconds{route}
         if handoff is None:
             self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
         self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
@@ -170,6 +174,10 @@ class DecodeLeg:
             self._metrics.stage_seconds.labels("handover", self.route).observe(handover)
             moved = self.handoff.num_prompt_tokens - plan.decode_cached_tokens
             self._costs.observe_handover(plan.prefill.name, self.decode.name, moved, handover)
+            pair = (plan.prefill.name, self.decode.name)
+            self._metrics.handover_seconds.labels(*pair).observe(handover)
+            self._metrics.kv_moved_bytes_total.labels(*pair).inc(
+                max(moved, 0) * self._costs.kv_bytes_per_token)
         elif self.local_was_idle and not self._streams_at_send:
             # Timed alone: no other prompt work queued and no stream decoding beside it (each
             # step would also have decoded those, which the step model accounts for).
@@ -180,6 +188,12 @@ class DecodeLeg:
         """``frames`` more tokens relayed at ``now``."""
         self.claim.output_done(frames)
         self._costs.tracker(self.decode.name).frame(self, now, frames)
+        if frames:  # the gap each token of this chunk waited, from the second chunk on
+            if self._itl is None:
+                self._itl = self._metrics.itl_seconds.labels(self.route)
+            else:
+                self._itl.observe((now - self._last_frame_at) / frames)
+            self._last_frame_at = now
 
     def ended(self, now: float) -> None:
         """The request is over on its decode engine, however it ended."""

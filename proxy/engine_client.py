@@ -164,6 +164,7 @@ _decode = msgspec.json.Decoder().decode
 _dumps: Callable[[Any], bytes] = msgspec.json.Encoder().encode
 
 
-def new_session() -> http1.Client:
-    """The one set of keep-alive pools a proxy process uses for all engines."""
-    return http1.Client()
+def new_session(engine_key: str | None = None) -> http1.Client:
+    """The one set of keep-alive pools a proxy process uses for all engines (each request
+    carries the deployment's ``engine_key``)."""
+    return http1.Client(engine_key)

@@ -213,10 +213,12 @@ class _Connection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one ``host:port``; no cap on how many are open at once."""
 
-    def __init__(self, host: str, port: int):
-        self.host = host
-        self.port = port
-        self._host_header = f"{host}:{port}".encode()
+    def __init__(self, host: str, port: int, auth: str | None = None):
+        self.host, self.port = host, port
+        if auth and not auth.isprintable():
+            raise ValueError("the credentials contain a line break or another control character")
+        auth_line = f"authorization: Bearer {auth}\r\n" if auth else ""
+        self._fixed_headers = f"host: {host}:{port}\r\n{auth_line}".encode()
         self._idle: list[_Connection] = []
         self._all: set[_Connection] = set()
 
@@ -224,7 +226,7 @@ class Pool:
                       headers: Mapping[str, str] | None = None,
                       content_type: str = "application/json") -> Response:
         """Send one request; return once the response's headers are in."""
-        head = [f"{method} {path} HTTP/1.1\r\n".encode(), b"host: ", self._host_header, b"\r\n"]
+        head = [f"{method} {path} HTTP/1.1\r\n".encode(), self._fixed_headers]
         if body is not None:
             head.append(f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
                         .encode())
@@ -279,15 +281,16 @@ class Pool:
 
 
 class Client:
-    """The process's pools, one per engine address."""
+    """The process's pools, one per engine address; requests carry ``auth`` as bearer token."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: str | None = None) -> None:
         self._pools: dict[tuple[str, int], Pool] = {}
+        self._auth = auth
 
     def pool(self, host: str, port: int) -> Pool:
         key = (host, port)
         if key not in self._pools:
-            self._pools[key] = Pool(host, port)
+            self._pools[key] = Pool(host, port, self._auth)
         return self._pools[key]
 
     async def close(self) -> None:

@@ -9,6 +9,16 @@ _LATENCY_BUCKETS_S = (
 )
 
 
+#: The label values the proxy's code uses (created at start-up; see ``ProxyMetrics``).
+FALLBACK_REASONS = ("prefill_error", "prefill_unreachable", "prefill_timeout", "bad_handoff",
+                    "decode_retried", "handoff_maybe_read", "handoff_expired")
+STREAM_ERROR_REASONS = ("decode_lost", "decode_timeout")
+MIGRATION_REASONS = ("decode_lost", "decode_timeout")
+REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",
+                   "overloaded_error", "timeout_error")
+DISCONNECT_STAGES = ("before_response", "after_prefill", "streaming")
+
+
 class ProxyMetrics:
     """All series one proxy exports; a fresh registry per instance keeps tests independent."""
 
@@ -79,3 +89,27 @@ class ProxyMetrics:
             "pd_engine_up", "1 when the engine answers its health check.",
             ["role", "engine"], registry=r,
         )
+        self.itl_seconds = Histogram(
+            "pd_itl_seconds", "Time between the relayed events of a stream, per token, by route"
+            " (the inter-token latency the client sees).",
+            ["route"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.handover_seconds = Histogram(
+            "pd_handover_seconds", "Prefill done -> decode's first byte, per prefill -> decode"
+            " pair (the KV pull and the decode engine's first step).",
+            ["prefill", "decode"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
+        self.kv_moved_bytes_total = Counter(
+            "pd_kv_moved_bytes_total", "KV bytes decode engines pulled, per prefill -> decode"
+            " pair (prompt tokens not cached on decode x KV bytes per token).",
+            ["prefill", "decode"], registry=r,
+        )
+        # Labelled counters have no series until first incremented: the known label sets exist
+        # from the start, so a dashboard shows 0, not "no data", before the first failure.
+        for counter, labels in ((self.fallbacks_total, FALLBACK_REASONS),
+                                (self.stream_errors_total, STREAM_ERROR_REASONS),
+                                (self.migrations_total, MIGRATION_REASONS),
+                                (self.rejected_total, REJECTION_TYPES),
+                                (self.client_disconnects_total, DISCONNECT_STAGES)):
+            for label in labels:
+                counter.labels(label)

@@ -71,7 +71,7 @@ class ProxyService:
     async def start(cls, config: ProxyConfig, directory: Directory | None = None,
                     scaler: Scaler | None = None) -> ProxyService:
         metrics = ProxyMetrics()
-        session = new_session()
+        session = new_session(config.engine_key)
 
         def clients(role: str, urls: Sequence[str]) -> list[EngineClient]:
             return [EngineClient(f"{role}-{i}", url, session) for i, url in enumerate(urls)]

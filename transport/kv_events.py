@@ -82,11 +82,14 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
     return out
 
 
-def kv_events_config(port: int, topic: str = "kv") -> str:
-    """``--kv-events-config`` for an engine publishing on ``port`` (all interfaces)."""
+def kv_events_config(endpoint: str, topic: str = "kv") -> str:
+    """``--kv-events-config`` for an engine publishing on ``endpoint``: ``tcp://*:port`` or
+    ``ipc://path`` (vLLM binds those; any other TCP address it would connect to)."""
+    if not endpoint.startswith(("ipc://", "tcp://*:")):
+        raise ValueError(f"a KV-event publisher binds ipc:// or tcp://*:port, not {endpoint!r}")
     return json.dumps({
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{port}",
+        "endpoint": endpoint,
         "topic": topic,
     }, separators=(",", ":"))

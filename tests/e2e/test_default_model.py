@@ -28,17 +28,19 @@ def test_default_model_disaggregated_matches_local(smollm2_stack):
 
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Name three primary colors."}]}
-    direct = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=body, timeout=300)
+    direct = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=body, timeout=300,
+                        headers=smollm2_stack.engine_headers)
     from transport import kv_params
 
     pbody = dict(body, max_tokens=1, return_token_ids=True)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
     reply = httpx.post(smollm2_stack.prefill_url + "/v1/chat/completions", json=pbody,
-                       timeout=300).json()
+                       timeout=300, headers=smollm2_stack.engine_headers).json()
     dbody = dict(body)
     dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(
         kv_params.parse_prefill_reply(reply))
-    pd = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=dbody, timeout=300)
+    pd = httpx.post(smollm2_stack.decode_url + "/v1/chat/completions", json=dbody, timeout=300,
+                    headers=smollm2_stack.engine_headers)
     assert pd.status_code == 200, pd.text
     assert (pd.json()["choices"][0]["message"]["content"]
             == direct.json()["choices"][0]["message"]["content"])

@@ -232,5 +232,5 @@ def test_sixteen_concurrent_mixed_streams(stack):
     with httpx.Client(timeout=300) as c:
         for i, body in enumerate(bodies):
             direct = c.post(stack.decode_url + "/v1/chat/completions",
-                            json=dict(body, stream=False)).json()
+                            json=dict(body, stream=False), headers=stack.engine_headers).json()
             assert texts[i] == direct["choices"][0]["message"]["content"], i

@@ -13,7 +13,7 @@ LENGTHS = [100, 400, 1000, 1600, 3000]
 def test_proxy_matches_decode_engine_and_kv_moves(tiny_stack, n_tokens, golden_outputs):
     text = text_of_tokens(n_tokens, seed=n_tokens)
     body = chat_body(tiny_stack.model_name, text)
-    with httpx.Client(timeout=300) as client:
+    with httpx.Client(timeout=300, headers=tiny_stack.engine_headers) as client:
         before = prompt_sources(tiny_stack.decode_url)
         r = client.post(tiny_stack.proxy_url + "/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
@@ -66,7 +66,7 @@ def test_decode_engine_uses_forwarded_prompt_token_ids(tiny_stack):
     tok = AutoTokenizer.from_pretrained(str(ensure_model("tiny")))
     a, b = text_of_tokens(60, seed=1), text_of_tokens(90, seed=2)
     model = tiny_stack.model_name
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=120, headers=tiny_stack.engine_headers) as client:
         url = tiny_stack.decode_url + "/v1/chat/completions"
         ref_b = client.post(url, json=chat_body(model, b)).json()
         templated = tok.apply_chat_template(
@@ -83,7 +83,7 @@ def test_decode_engine_uses_forwarded_prompt_token_ids(tiny_stack):
 def test_completions_endpoint_disaggregated(tiny_stack):
     body = {"model": tiny_stack.model_name, "prompt": text_of_tokens(300, seed=3),
             "max_tokens": 8, "temperature": 0}
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=120, headers=tiny_stack.engine_headers) as client:
         r = client.post(tiny_stack.proxy_url + "/v1/completions", json=body)
         direct = client.post(tiny_stack.decode_url + "/v1/completions", json=body)
     assert r.status_code == 200, r.text

@@ -114,7 +114,8 @@ def test_busy_prefill_sends_request_local(link_stack):
         """Another client's queue on the prefill engine; fails at once, saying why, if the
         engine refuses it (the proxy would then never see a queue)."""
         def one(i: int) -> None:
-            r = httpx.post(link_stack.prefill_url + "/v1/completions", timeout=300, json={
+            r = httpx.post(link_stack.prefill_url + "/v1/completions", timeout=300,
+                           headers=link_stack.engine_headers, json={
                 "model": link_stack.model_name,
                 "prompt": text_of_tokens(FLOOD_TOKENS, seed=seed + i, model=MODEL),
                 "max_tokens": 1})

@@ -36,7 +36,8 @@ def prefill_handoff(stack, body: dict) -> kv_params.PrefillHandoff:
     """Run only the prefill leg, straight on the prefill engine."""
     pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
-    reply = httpx.post(stack.prefill_url + "/v1/completions", json=pbody, timeout=60)
+    reply = httpx.post(stack.prefill_url + "/v1/completions", json=pbody, timeout=60,
+                       headers=stack.engine_headers)
     assert reply.status_code == 200, reply.text
     return kv_params.parse_prefill_reply(reply.json())
 
@@ -62,7 +63,7 @@ def test_prefill_down_serves_local(tiny_stack):
     os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
     body = {"model": tiny_stack.model_name, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 4, "temperature": 0}
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
         for stream in (False, True):
             r = client.post(tiny_stack.proxy_url + "/v1/chat/completions",
                             json=dict(body, stream=stream))
@@ -109,7 +110,7 @@ def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
         os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
         time.sleep(3)  # the proxy's 1 s health probe sees it down
     deadline = time.monotonic() + 300
-    with httpx.Client(timeout=60) as client:
+    with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
         while True:
             engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
             if engines["prefill-0"]["healthy"] and not engines["prefill-0"]["warming"]:

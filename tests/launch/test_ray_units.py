@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+from launch.engines import private_socket_dir
 from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
 from launch.ray_mode import actor_resources, resolve_accelerator
 from launch.settings import EngineSettings
@@ -44,7 +45,10 @@ def test_engine_spec_on_a_node():
     p = engine_spec_for_node(t, "prefill", 0, "127.0.0.1", [21000, 21001, 21002], "/m")
     d1 = engine_spec_for_node(t, "decode", 1, "127.0.0.1", [21003, 21004, 21005], "/m")
     assert (p.url, p.side_channel_port, p.kv_events_endpoint) == (
-        "http://127.0.0.1:21000", 21001, "tcp://127.0.0.1:21002")
+        "http://127.0.0.1:21000", 21001, f"ipc://{private_socket_dir()}/kv-events-21002")
+    on_node = engine_spec_for_node(t, "decode", 0, "10.0.0.7", [21006, 21007, 21008], "/m")
+    assert (on_node.url, on_node.kv_events_endpoint) == ("http://10.0.0.7:21006",
+                                                         "tcp://10.0.0.7:21008")
     assert p.role == "prefill" and d1.role == "decode" and p.kv_cache_gib == 1
     assert p.ucx_device == "lo" == interface_of("127.0.0.1")
     assert p.cpu_cores != d1.cpu_cores  # prefill and decode compute on different cores

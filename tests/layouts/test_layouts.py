@@ -73,7 +73,7 @@ def test_aggregated_serves_whole_requests_with_the_engines_own_output(aggregated
     assert [e["role"] for e in stack.run_info()["engines"]] == ["both", "both"]
     before = [success_count(u) for u in urls]
     got: list[str] = []
-    with httpx.Client(timeout=120) as c:
+    with httpx.Client(timeout=120, headers=stack.engine_headers) as c:
         offset = 100 * stream + 10 * (endpoint == "chat")  # fresh prompts: no cache hit
         bodies = [body(stack, endpoint, 300, offset + seed) for seed in range(4)]
         for b in bodies:
@@ -123,7 +123,7 @@ def test_each_engine_prefills_for_the_other_and_pulls_from_it(pool_stack):
     try:
         pulls = [nixl_pulls(u) for u in urls]
         bodies = [body(stack, "completions", 400, seed) for seed in range(10, 16)]
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=120, headers=stack.engine_headers) as c:
             got = []
             for b in bodies:  # fresh prompts first: no engine has one cached yet
                 r = c.post(stack.proxy_url + "/v1/completions", json=b)

@@ -20,19 +20,20 @@ from transport import kv_params
 TOKENS = 1000
 
 
-def completion(url: str, prompt: str, params: dict | None = None) -> str:
+def completion(url: str, prompt: str, headers: dict[str, str], params: dict | None = None
+               ) -> str:
     body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
     if params is not None:
         body[kv_params.BODY_KEY] = params
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120, headers=headers)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
-def handoff(url: str, prompt: str) -> kv_params.PrefillHandoff:
+def handoff(url: str, prompt: str, headers: dict[str, str]) -> kv_params.PrefillHandoff:
     body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "return_token_ids": True, kv_params.BODY_KEY: kv_params.prefill_request_params()}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120, headers=headers)
     assert r.status_code == 200, r.text
     return kv_params.parse_prefill_reply(r.json())
 
@@ -44,23 +45,24 @@ def delta(before: dict, after: dict) -> dict[str, float]:
 def test_a_late_handoff_is_recomputed_not_read(tier_stack):
     prefill, decode = tier_stack.run_info()["engines"]
     p_url, d_url = prefill["url"], decode["url"]
+    key = tier_stack.engine_headers
     guarded, unguarded = (text_of_tokens(TOKENS, seed=s) for s in (7101, 7102))
     # The right answers, from the prefill engine (same model and settings as decode); the
     # decode engine has seen neither prompt yet.
-    want = {p: completion(p_url, p) for p in (guarded, unguarded)}
+    want = {p: completion(p_url, p, key) for p in (guarded, unguarded)}
 
     t0 = time.time()
-    h_guarded, h_unguarded = handoff(p_url, guarded), handoff(p_url, unguarded)
+    h_guarded, h_unguarded = handoff(p_url, guarded, key), handoff(p_url, unguarded, key)
     read_by = t0 + 0.8 * LEASE_S
     time.sleep(LEASE_S + 1.5)  # both leases are over: the prefill engine freed the blocks
     for i in range(3):  # ... and other prompts overwrite them (36 blocks through 24)
-        completion(p_url, text_of_tokens(1500, seed=7200 + i))
+        completion(p_url, text_of_tokens(1500, seed=7200 + i), key)
 
     before = prompt_sources(d_url)
-    late_read = completion(d_url, unguarded, kv_params.decode_request_params(h_unguarded))
+    late_read = completion(d_url, unguarded, key, kv_params.decode_request_params(h_unguarded))
     moved = delta(before, prompt_sources(d_url))
     before = prompt_sources(d_url)
-    recomputed = completion(d_url, guarded,
+    recomputed = completion(d_url, guarded, key,
                             kv_params.decode_request_params(h_guarded, read_by=read_by))
     computed = delta(before, prompt_sources(d_url))
     verdict = "same" if late_read == want[unguarded] else "WRONG"

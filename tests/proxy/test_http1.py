@@ -181,3 +181,26 @@ async def test_header_values_cannot_smuggle_lines(serve) -> None:
     with pytest.raises(ValueError):
         await pool.request("POST", "/x", b"{}", {"x-request-id": "a\r\nx-evil: 1"})
     assert server.connections == 0
+
+
+async def test_a_client_with_credentials_sends_them_on_every_request(serve) -> None:
+    heads = []
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            heads.append(head)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+
+    server = await serve(record)
+    pool = http1.Client("k3y").pool("127.0.0.1", server.port)
+    for method, body in (("POST", b"{}"), ("GET", None)):
+        response = await pool.request(method, "/x", body, {"x-request-id": "r"})
+        response.close()
+    assert len(heads) == 2
+    for head in heads:
+        lines = head.split(b"\r\n")
+        assert b"authorization: Bearer k3y" in lines and b"x-request-id: r" in lines
+    with pytest.raises(ValueError, match="control character"):
+        http1.Client("k\r\nx: y").pool("127.0.0.1", server.port)

@@ -519,3 +519,28 @@ async def test_decode_only_proxy(decode: FakeEngine, policy: str) -> None:
         assert resp.json()["x_fake_received_kv_transfer_params"] is False
         assert await metric(client, "pd_decisions_total", route="local",
                             reason="prefill_unavailable") == 1
+
+
+async def test_dashboard_series_exist_from_the_start_and_pairs_are_measured(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    """Labelled counters a dashboard selects are 0 before their first event (not absent); a
+    streamed P/D request records its pair's hand-over and KV bytes, and its inter-token gaps."""
+    decode.decode_frame_interval_s = 0.01
+    body = BODIES[CHAT_PATH](stream=True)
+    async with proxy(prefill, decode, kv_bytes_per_token=1000) as client:
+        text = (await client.get("/metrics")).text
+        for series in ('pd_fallbacks_total{reason="prefill_timeout"} 0.0',
+                       'pd_stream_errors_total{reason="decode_lost"} 0.0',
+                       'pd_rejected_total{type="overloaded_error"} 0.0',
+                       'pd_client_disconnects_total{stage="streaming"} 0.0'):
+            assert series in text, series
+        resp = await client.post(CHAT_PATH, json=body)
+        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "disaggregated"
+        pair = {"prefill": "prefill-0", "decode": "decode-0"}
+        assert await metric(client, "pd_handover_seconds_count", **pair) == 1
+        prompt = prefill.prefill_requests[0]
+        moved = await metric(client, "pd_kv_moved_bytes_total", **pair)
+        assert moved > 0 and moved % 1000 == 0, (moved, prompt)
+        frames = resp.content.count(b"data: ")
+        assert await metric(client, "pd_itl_seconds_count", route="disaggregated") >= frames - 2

@@ -24,6 +24,8 @@ from harness.engine_io import (
 )
 from harness.greedy_streams import differing, greedy_streams
 from harness.prompts import text_of_tokens
+from harness.sockets import tcp_listeners, unix_listeners
+from launch.engines import private_socket_dir
 
 GOLDEN_LENGTHS = (100, 1000)
 
@@ -68,7 +70,8 @@ def test_serves_pd_with_dev_mode_output(ray_stack, golden_outputs):
             assert pulled >= r.json()["usage"]["prompt_tokens"] - 16
             # Same greedy text as a decode engine computing it alone, and as dev mode served.
             direct = c.post(decodes(ray_stack)["decode-0"]["url"] + "/v1/chat/completions",
-                            json=chat_body(ray_stack.model_name, text)).json()
+                            json=chat_body(ray_stack.model_name, text),
+                            headers=ray_stack.engine_headers).json()
             assert answer == direct["choices"][0]["message"]["content"]
             if ("chat", n) in golden_outputs:
                 assert answer == golden_outputs[("chat", n)]
@@ -93,6 +96,29 @@ def test_each_engine_tree_stays_on_its_core_and_sharing_is_reported(ray_stack):
         placed.append(min(next(iter(cores))))
     assert sorted(placed) == [0, 1, 1]
     assert "decode-0, decode-1 share core 1" in ray_stack.output()
+
+
+def test_a_local_clusters_engines_listen_on_loopback_and_want_the_key(ray_stack):
+    """No ``--address``: a cluster on this machine alone, so its engines bind loopback (the
+    HTTP servers, NIXL side channels and UCX listeners; KV events on a private Unix socket),
+    and a direct call without the deployment's key gets 401. Ray's own processes (GCS,
+    raylet, dashboard agent) are Ray's configuration, not checked here."""
+    pids = ray_stack.engine_pids()
+    tcp = tcp_listeners(pids)
+    engines = ray_stack.engines()
+    ports = {int(e["url"].rsplit(":", 1)[1]) for e in engines.values()}
+    assert ports <= {int(listener.address.rsplit(":", 1)[1]) for listener in tcp}, tcp
+    wide = [listener for listener in tcp if listener.host not in ("127.0.0.1", "::1")]
+    assert not wide, f"listening beyond loopback: {wide}"
+    kv = {u.address for u in unix_listeners(pids) if "kv-events" in u.address}
+    assert len(kv) == len(engines) and all(
+        os.path.dirname(a) == str(private_socket_dir()) for a in kv), kv
+    body = {"model": ray_stack.model_name, "prompt": "hello", "max_tokens": 1}
+    for e in engines.values():
+        assert httpx.post(e["url"] + "/v1/completions", json=body, timeout=30
+                          ).status_code == 401
+        assert httpx.post(e["url"] + "/v1/completions", json=body, timeout=60,
+                          headers=ray_stack.engine_headers).status_code == 200
 
 
 def test_load_spreads_across_both_decodes(ray_stack):

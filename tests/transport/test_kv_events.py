@@ -58,6 +58,9 @@ def test_malformed_payloads_raise(payload):
 
 
 def test_engine_config():
-    cfg = json.loads(kv_events_config(5700))
+    cfg = json.loads(kv_events_config("tcp://*:5700"))
     assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": "tcp://*:5700", "topic": "kv"}
+    assert json.loads(kv_events_config("ipc:///tmp/x"))["endpoint"] == "ipc:///tmp/x"
+    with pytest.raises(ValueError, match="binds"):  # vLLM would connect, not bind
+        kv_events_config("tcp://127.0.0.1:5700")
