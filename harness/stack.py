@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +131,10 @@ def start_dev(model: str = "tiny", *, port: int, engine_base_port: int,
               kv_events_base_port: int | None = None, policy: str | None = None,
               extra: Sequence[str] = (), model_name: str | None = None,
               timeout_s: float = 900.0, health_poll_s: float = 0.5,
-              progress: Callable[[str], None] | None = None) -> Stack:
-    """``pdserve dev`` on these ports; returns once its proxy answers ``/health``."""
+              progress: Callable[[str], None] | None = None,
+              env: Mapping[str, str] | None = None) -> Stack:
+    """``pdserve dev`` on these ports (``env``: more environment for it and its engines);
+    returns once its proxy answers ``/health``."""
     argv = ["dev", "--model", model, "--port", str(port),
             "--engine-base-port", str(engine_base_port),
             "--side-channel-base-port", str(side_channel_base_port), "--log-dir", str(log_dir)]
@@ -141,7 +143,7 @@ def start_dev(model: str = "tiny", *, port: int, engine_base_port: int,
     if policy is not None:
         argv += ["--policy", policy]
     stack = _launch("dev", [*argv, *extra], port, log_dir, model_name or _name(model),
-                    timeout_s, health_poll_s, progress)
+                    timeout_s, health_poll_s, progress, env)
     stack.prefill_url = f"http://127.0.0.1:{engine_base_port}"
     stack.decode_url = f"http://127.0.0.1:{engine_base_port + 1}"
     return stack
@@ -174,7 +176,8 @@ def serving(start: Callable[..., Stack], stop_signal: signal.Signals = signal.SI
 
 def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: str,
             timeout_s: float, health_poll_s: float,
-            progress: Callable[[str], None] | None) -> Stack:
+            progress: Callable[[str], None] | None,
+            env: Mapping[str, str] | None = None) -> Stack:
     log_dir.mkdir(parents=True, exist_ok=True)
     stack_id = uuid.uuid4().hex
     engine_key = uuid.uuid4().hex
@@ -183,8 +186,8 @@ def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: st
     t_launch = time.perf_counter()
     popen = subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], cwd=ROOT,
                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=dict(os.environ, **{STACK_ENV: stack_id,
-                                                     ENGINE_KEY_ENV: engine_key}),
+                             env=dict(os.environ, **(env or {}), **{
+                                 STACK_ENV: stack_id, ENGINE_KEY_ENV: engine_key}),
                              # Dev mode stays in the caller's session, as a user's terminal
                              # would run it (sessions are CPU-scheduling groups here:
                              # kernel.sched_autogroup_enabled); Ray mode gets its own, so its

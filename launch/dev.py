@@ -199,6 +199,7 @@ def run_dev(opts: DevOptions) -> int:
             max_model_len=opts.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
             engine_key=key,
+            otlp_traces_endpoint=opts.engines.otlp_traces_endpoint,
         )
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
         names = ("engine-0", "engine-1") if pooled else ("prefill-0", "decode-0")

@@ -264,6 +264,7 @@ def run_ray(opts: RayOptions) -> int:
             max_model_len=opts.template.engines.max_model_len,
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
             engine_key=key,
+            otlp_traces_endpoint=opts.template.engines.otlp_traces_endpoint,
         )
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "

@@ -62,6 +62,9 @@ class EngineSettings(BaseModel):
         "cap each engine's KV cache at this many blocks (tests, benchmarks)"))
     engine_dev_endpoints: bool = Field(default=False, description=(
         "expose vLLM's dev endpoints on the engines (testbeds, benchmarks)"))
+    otlp_traces_endpoint: str | None = Field(default=None, description=(
+        "export one OpenTelemetry trace per request, from the proxy and both engines, to this "
+        "OTLP endpoint (protocol: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, grpc or http/protobuf)"))
 
     def connector(self, *, cpu_fixes: bool) -> ConnectorOptions:
         return ConnectorOptions(
@@ -71,9 +74,14 @@ class EngineSettings(BaseModel):
             offload_fs_dir=self.offload_fs_dir)
 
     def vllm_args(self) -> tuple[str, ...]:
-        """vLLM arguments these settings add (a KV cache capped at ``kv_blocks`` blocks)."""
-        return () if self.kv_blocks is None else ("--num-gpu-blocks-override",
-                                                   str(self.kv_blocks))
+        """vLLM arguments these settings add (a KV cache capped at ``kv_blocks`` blocks,
+        tracing)."""
+        args: tuple[str, ...] = ()
+        if self.kv_blocks is not None:
+            args += ("--num-gpu-blocks-override", str(self.kv_blocks))
+        if self.otlp_traces_endpoint:
+            args += ("--otlp-traces-endpoint", self.otlp_traces_endpoint)
+        return args
 
 
 class ProxySettings(BaseModel):

@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -91,6 +92,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
     served = set(config.served_model_names)
 
     async def completion(request: Request, endpoint: Endpoint) -> Response:
+        t_arrival = time.perf_counter()
         service: ProxyService = request.app.state.pd
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
@@ -102,6 +104,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             check_prompt_fits(config, service, body)
             kv_limits = take_kv_limits(body)
             targets = take_slo(body)
+            t_queued = time.perf_counter()
             await service.admission.acquire()
         except ProxyError as err:
             service.metrics.rejected_total.labels(err.type).inc()
@@ -109,13 +112,19 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         except ClientGone:  # left while sending the body
             service.metrics.client_disconnects_total.labels("before_response").inc()
             return Response(status_code=499)
+        spans = None
+        if service.tracing is not None:
+            spans = service.tracing.request(request_id, endpoint, t_arrival)
+            spans.stage("admission", t_queued, time.perf_counter())
         api_request = ApiRequest(endpoint, body, stream, request_id, kv_limits=kv_limits,
-                                 targets=targets)
+                                 targets=targets, spans=spans)
         service.metrics.inflight_requests.inc()
 
         def done() -> None:
             service.admission.release()
             service.metrics.inflight_requests.dec()
+            if spans is not None:
+                spans.end()
 
         handed_off = False
         try:

@@ -55,6 +55,9 @@ class ProxyConfig(BaseModel):
     #: Re-measure a pair's link with one disaggregated probe when it saw no hand-over for this
     #: long (0 = never).
     reprobe_s: float = Field(default=30.0, ge=0)
+    #: Export one OpenTelemetry trace per request here (OTLP; None: tracing off, nothing
+    #: created). The protocol is ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, as for vLLM.
+    otlp_traces_endpoint: str | None = None
     #: The bearer token clients must send on /v1/* (None: open).
     api_key: str | None = Field(default=None, repr=False)
     #: The deployment's secret the proxy sends its engines (``launch/engine_guard.py``); None:

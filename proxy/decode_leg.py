@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from prometheus_client import Histogram
 
@@ -59,6 +60,8 @@ class DecodeLeg:
         self._streams_at_send = 0
         self._last_frame_at = 0.0
         self._itl: Histogram | None = None  # pd_itl_seconds{route}
+        self._decode_span: Any = None  # the open ``decode`` span, when tracing
+        self._t_first = 0.0
         if handoff is None:
             self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
         self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
@@ -81,10 +84,16 @@ class DecodeLeg:
             self._streams_at_send = tracker.streams
             tracker.work_started(self, self.trace.t_decode_sent,
                                  self.plan.decision.predicted_gap_s(), self.route)
+            headers = {"x-request-id": self.req.request_id}
+            if self.req.spans is not None:
+                self._end_decode_span(self.trace.t_decode_sent, error="retried")
+                self._decode_span = self.req.spans.call(
+                    "decode", self.trace.t_decode_sent, headers, engine=decode.name,
+                    route=self.route)
             try:
                 stream = await decode.client.open_stream(
-                    self.req.path, self.body, {"x-request-id": self.req.request_id},
-                    self._deadlines.headers_s, self._deadlines.idle_s)
+                    self.req.path, self.body, headers, self._deadlines.headers_s,
+                    self._deadlines.idle_s)
                 break
             except EngineUnreachable as exc:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
@@ -164,6 +173,9 @@ class DecodeLeg:
                           kv_tokens=0 if local else plan.decode_new_tokens)
         tracker.stream_started(self, now)
         self._streaming = True
+        self._t_first = now
+        if self.req.spans is not None:
+            self._trace_first_byte(now)
         ttft = now - trace.t_start
         self._metrics.stage_seconds.labels("ttft", self.route).observe(ttft)
         predicted = plan.decision.predicted_s() if self.route == plan.decision.route else None
@@ -184,6 +196,21 @@ class DecodeLeg:
             self._costs.observe_local_prefill(self.decode.name, plan.decode_new_tokens,
                                               now - trace.t_decode_sent)
 
+    def _trace_first_byte(self, now: float) -> None:
+        spans, plan = self.req.spans, self.plan
+        assert spans is not None
+        self._end_decode_span(now)
+        prefill = plan.prefill.name if plan.prefill is not None and self.handoff else None
+        if prefill is not None:
+            spans.stage("handover", self.trace.t_handoff, now, prefill=prefill,
+                        decode=self.decode.name)
+        spans.annotate(route=self.route, prefill=prefill, decode=self.decode.name)
+
+    def _end_decode_span(self, now: float, **attributes: Any) -> None:
+        if self._decode_span is not None and self.req.spans is not None:
+            self.req.spans.finish(self._decode_span, now, **attributes)
+            self._decode_span = None
+
     def frames(self, now: float, frames: int) -> None:
         """``frames`` more tokens relayed at ``now``."""
         self.claim.output_done(frames)
@@ -203,6 +230,12 @@ class DecodeLeg:
             tracker.stream_ended(self)
         self.claim.release()
         self.trace.run_deferred()
+        if self.req.spans is not None:
+            self._end_decode_span(now)  # a whole reply, or no first byte
+            if self._t_first:
+                self.req.spans.stage("relay", self._t_first, now, engine=self.decode.name)
+            else:
+                self.req.spans.annotate(route=self.route, decode=self.decode.name)
 
     def release_blocks(self) -> None:
         """The client left after prefill, before decode answered: the decode request, if it got

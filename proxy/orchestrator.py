@@ -179,16 +179,24 @@ class Orchestrator:
                    decode: Engine | None = None) -> Plan:
         """Measure the prompt (off the loop), then pick engines and route."""
         measured = None
+        t0 = time.perf_counter()
         if self.prompts is not None:
             sizes = {e.index.block_size for e in self.pool.all() if e.index.block_size}
             measured = await self.prompts.measure(req.body, sorted(sizes))
+        t1 = time.perf_counter()
         own = req.targets or Targets()
         targets = Targets(ttft_s=own.ttft_s or self.targets.ttft_s,
                           itl_s=own.itl_s or self.targets.itl_s)
-        return make_plan(req, pool=self.pool, costs=self.costs, policy=self.policy,
+        plan = make_plan(req, pool=self.pool, costs=self.costs, policy=self.policy,
                          prompt_chars=prompt_chars(req.body), measured=measured,
                          output_budget=output_budget(req.body), load=self._load,
                          prefill=prefill, decode=decode, targets=targets)
+        if req.spans is not None:
+            req.spans.stage("tokenize", t0, t1, prompt_tokens=plan.prompt_tokens)
+            req.spans.stage("decision", t1, time.perf_counter(), route=plan.decision.route,
+                            reason=plan.decision.reason, decode=plan.decode.name,
+                            prefill=plan.prefill.name if plan.prefill else None)
+        return plan
 
     def _load(self, engine: Engine) -> float:
         return self.costs.load_tokens(engine.name, engine.foreign_requests,

@@ -46,10 +46,13 @@ class PrefillLeg:
             # Timed alone: nothing else queued there, and no stream decoding there (a pool
             # engine may be doing both).
             idle = claim.was_idle and self.costs.tracker(prefill.name).streams == 0
+            headers = {"x-request-id": req.request_id}
+            span = (req.spans.call("prefill", t0, headers, engine=prefill.name)
+                    if req.spans is not None else None)
             try:
                 reply = await prefill.client.post_json(
-                    req.path, prefill_body(req.body, req.kv_limits),
-                    {"x-request-id": req.request_id}, self.deadlines.prefill_s)
+                    req.path, prefill_body(req.body, req.kv_limits), headers,
+                    self.deadlines.prefill_s)
                 if 400 <= reply.status < 500:
                     raise from_engine_error(reply.status, reply.body)
                 if reply.status != 200:
@@ -62,6 +65,9 @@ class PrefillLeg:
                 return self._fallback("prefill_timeout")
             except kv_params.HandoffError:
                 return self._fallback("bad_handoff")
+            finally:
+                if req.spans is not None and span is not None:
+                    req.spans.finish(span, time.perf_counter())
         seconds = time.perf_counter() - t0
         n = handoff.num_prompt_tokens
         self.costs.observe_prompt(plan.prompt_chars, n)

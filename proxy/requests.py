@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
 from proxy.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedMediaType
 from proxy.policy import Targets
 from transport import kv_params
+
+if TYPE_CHECKING:  # imported only when tracing is on (it loads the OpenTelemetry SDK)
+    from proxy.tracing import RequestSpans
 
 Endpoint = Literal["chat", "completions"]
 PATHS: dict[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -34,6 +37,8 @@ class ApiRequest:
     kv_limits: kv_params.KVLimits | None = None
     #: The client's own latency targets (``slo``), already taken out of ``body``.
     targets: Targets | None = None
+    #: This request's trace (``proxy/tracing.py``); None when tracing is off.
+    spans: RequestSpans | None = None
 
     @property
     def path(self) -> str:

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
@@ -32,6 +32,9 @@ from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_engine, warm_up_pairs
+
+if TYPE_CHECKING:
+    from proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,12 @@ class ProxyService:
         self.admission = Admission(config.max_inflight, config.max_queued,
                                    config.queue_timeout_s)
         self.warmed = not config.warmup
+        #: One trace per request, when an OTLP endpoint is configured (else nothing is made).
+        self.tracing: Tracing | None = None
+        if config.otlp_traces_endpoint:
+            from proxy.tracing import Tracing
+
+            self.tracing = Tracing(config.otlp_traces_endpoint)
         self._zmq = zmq_context
         self._feeds: dict[Engine, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
@@ -218,4 +227,6 @@ class ProxyService:
         await self.session.close()
         if self.prompts is not None:
             await self.prompts.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
         self._zmq.term()

@@ -1,5 +1,6 @@
 """A tiny-model `pdserve dev --observability` stack: the Prometheus it starts (Debian's
-``prometheus`` package; `.ci/run` installs it) scrapes the proxy and both engines every second.
+``prometheus`` package; `.ci/run` installs it) scrapes the proxy and both engines every second,
+and all three send their traces to an OTLP receiver in this process.
 Policy auto with latency targets (the ITL prediction has something to predict) and a small
 offload tier, so every panel of the dashboard has series to show."""
 
@@ -9,6 +10,7 @@ import os
 
 import pytest
 
+from harness.otlp_receiver import OtlpReceiver
 from harness.stack import Stack, serving, start_dev
 from launch.observability.prometheus import binary
 from tests.marks import mark_e2e
@@ -17,7 +19,14 @@ PROMETHEUS_PORT = 19090
 
 
 @pytest.fixture(scope="package")
-def obs_stack(tmp_path_factory) -> Stack:
+def otlp() -> OtlpReceiver:
+    """Where the proxy and both engines send their traces (OTLP over HTTP)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def obs_stack(tmp_path_factory, otlp) -> Stack:
     if binary() is None:
         message = "no prometheus binary (apt-get install prometheus)"
         if os.environ.get("CI"):
@@ -30,7 +39,9 @@ def obs_stack(tmp_path_factory) -> Stack:
         extra=["--observability", "--prometheus-port", str(PROMETHEUS_PORT),
                "--scrape-interval-s", "1", "--kv-cache-gib", "1", "--offload-gib", "0.25",
                "--slo-ttft-ms", "2000", "--slo-itl-ms", "500", "--probe-tokens", "64,256",
-               "--reprobe-s", "0"],
+               "--reprobe-s", "0", "--otlp-traces-endpoint", otlp.endpoint],
+        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+             "OTEL_BSP_SCHEDULE_DELAY": "200"},  # export every 0.2 s, not 5 s
     ) as stack:
         yield stack
 

@@ -544,3 +544,42 @@ async def test_dashboard_series_exist_from_the_start_and_pairs_are_measured(
         assert moved > 0 and moved % 1000 == 0, (moved, prompt)
         frames = resp.content.count(b"data: ")
         assert await metric(client, "pd_itl_seconds_count", route="disaggregated") >= frames - 2
+
+
+async def test_traces_are_off_unless_an_endpoint_is_set(prefill: FakeEngine,
+                                                          decode: FakeEngine) -> None:
+    app = create_app(proxy_config(prefill, decode))
+    async with app.router.lifespan_context(app):
+        assert app.state.pd.tracing is None  # no provider, no exporter
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            assert (await client.post(CHAT_PATH, json=BODIES[CHAT_PATH]())).status_code == 200
+    assert "traceparent" not in decode.decode_requests[0].headers
+
+
+async def test_a_traced_request_sends_its_span_context_to_both_engines(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from proxy.tracing import Tracing
+
+    exported = InMemorySpanExporter()
+    app = create_app(proxy_config(prefill, decode))
+    async with app.router.lifespan_context(app):
+        app.state.pd.tracing = Tracing("unused", exporter=exported)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            resp = await client.post(CHAT_PATH, json=BODIES[CHAT_PATH](stream=True),
+                                     headers={"x-request-id": "t1"})
+            assert resp.status_code == 200
+        app.state.pd.tracing.shutdown()
+    spans = {s.name: s for s in exported.get_finished_spans()}
+    root = spans["pdserve.request"]
+    assert root.attributes["pd.route"] == "disaggregated"
+    assert {s.context.trace_id for s in spans.values()} == {root.context.trace_id}
+    for engine, name in ((prefill.prefill_requests[0], "prefill"),
+                         (decode.decode_requests[0], "decode")):
+        _, trace_id, span_id, _ = engine.headers["traceparent"].split("-")
+        assert int(trace_id, 16) == root.context.trace_id
+        assert int(span_id, 16) == spans[name].context.span_id

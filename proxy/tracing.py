@@ -1,0 +1,116 @@
+"""One trace per request across the proxy and both engines (OpenTelemetry, exported by OTLP).
+
+Off unless ``otlp_traces_endpoint`` is configured: then no tracer provider or exporter exists,
+``ApiRequest.spans`` is None, and each stage pays one ``is None`` test.
+
+On, a request admitted by the proxy gets a root span (``pdserve.request``, from its arrival
+to its last byte) with children for its stages: ``admission``, ``tokenize``, ``decision``,
+``prefill``, ``handover``, ``decode`` (sent -> first byte) and ``relay``. The calls to the
+engines carry the W3C ``traceparent`` of the ``prefill`` / ``decode`` span, so an engine
+started with vLLM's ``--otlp-traces-endpoint`` makes its own ``llm_request`` span their child:
+one trace id from the client's request to both engines. Every span carries the request id;
+stage spans the engines and the route. A stream continued on another decode engine
+(migration) adds that continuation's stages to the same trace.
+
+Stage spans are recorded after the fact from the timestamps the proxy takes anyway
+(``time.perf_counter``); only the two engine calls open theirs live, to have a context to send.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+#: ``time.perf_counter()`` seconds -> the epoch nanoseconds spans are stamped with.
+_EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def epoch_ns(perf_s: float) -> int:
+    return int(perf_s * 1e9) + _EPOCH_OFFSET_NS
+
+
+def _exporter(endpoint: str) -> Any:
+    """The OTLP exporter vLLM's engines use for the same endpoint (same protocol variable)."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        return HttpExporter(endpoint=endpoint)
+    raise ValueError(f"unsupported OTEL_EXPORTER_OTLP_TRACES_PROTOCOL {protocol!r}")
+
+
+class Tracing:
+    """The proxy's tracer: exists only when an endpoint is configured."""
+
+    def __init__(self, endpoint: str, exporter: Any = None):
+        self._provider = TracerProvider(resource=Resource.create({"service.name": "pdserve"}))
+        self._provider.add_span_processor(BatchSpanProcessor(exporter or _exporter(endpoint)))
+        self._tracer = self._provider.get_tracer("pdserve.proxy")
+
+    def request(self, request_id: str, endpoint: str, t_arrival: float) -> RequestSpans:
+        root = self._tracer.start_span("pdserve.request", start_time=epoch_ns(t_arrival),
+                                       attributes={"pd.request_id": request_id,
+                                                   "pd.endpoint": endpoint})
+        return RequestSpans(self._tracer, root, request_id)
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()  # flushes what is still queued
+
+
+class RequestSpans:
+    """One request's trace: its root span and the stages under it."""
+
+    def __init__(self, tracer: Any, root: Span, request_id: str):
+        self._tracer = tracer
+        self._root = root
+        self._context = set_span_in_context(root)
+        self._request_id = request_id
+        self._ended = False
+
+    def stage(self, name: str, t0: float, t1: float, **attributes: Any) -> None:
+        """A finished stage, from ``perf_counter`` times."""
+        span = self._tracer.start_span(name, context=self._context, start_time=epoch_ns(t0),
+                                       attributes=self._attributes(attributes))
+        span.end(end_time=epoch_ns(t1))
+
+    def call(self, name: str, t0: float, headers: dict[str, str], **attributes: Any) -> Span:
+        """A stage that calls an engine, open from ``t0``: ``headers`` get its traceparent.
+        The caller ends it with :meth:`finish`."""
+        span = self._tracer.start_span(name, context=self._context, start_time=epoch_ns(t0),
+                                       attributes=self._attributes(attributes))
+        _PROPAGATOR.inject(headers, context=set_span_in_context(span))
+        return span
+
+    def finish(self, span: Span, t_end: float, **attributes: Any) -> None:
+        """End a :meth:`call` span at ``t_end``."""
+        span.set_attributes(self._attributes(attributes))
+        span.end(end_time=epoch_ns(t_end))
+
+    def annotate(self, **attributes: Any) -> None:
+        self._root.set_attributes(self._attributes(attributes))
+
+    def end(self, t_end: float | None = None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._root.end(end_time=epoch_ns(t_end if t_end is not None else
+                                             time.perf_counter()))
+
+    def _attributes(self, attributes: dict[str, Any]) -> dict[str, Any]:
+        out = {"pd.request_id": self._request_id}
+        out.update((f"pd.{k}", v) for k, v in attributes.items() if v is not None)
+        return out
+
