@@ -203,7 +203,7 @@ class DecodeLeg:
         prefill = plan.prefill.name if plan.prefill is not None and self.handoff else None
         if prefill is not None:
             spans.stage("handover", self.trace.t_handoff, now, prefill=prefill,
-                        decode=self.decode.name)
+                        decode=self.decode.name, route=self.route)
         spans.annotate(route=self.route, prefill=prefill, decode=self.decode.name)
 
     def _end_decode_span(self, now: float, **attributes: Any) -> None:
@@ -233,7 +233,8 @@ class DecodeLeg:
         if self.req.spans is not None:
             self._end_decode_span(now)  # a whole reply, or no first byte
             if self._t_first:
-                self.req.spans.stage("relay", self._t_first, now, engine=self.decode.name)
+                self.req.spans.stage("relay", self._t_first, now, engine=self.decode.name,
+                                     route=self.route)
             else:
                 self.req.spans.annotate(route=self.route, decode=self.decode.name)
 

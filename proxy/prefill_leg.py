@@ -47,7 +47,8 @@ class PrefillLeg:
             # engine may be doing both).
             idle = claim.was_idle and self.costs.tracker(prefill.name).streams == 0
             headers = {"x-request-id": req.request_id}
-            span = (req.spans.call("prefill", t0, headers, engine=prefill.name)
+            span = (req.spans.call("prefill", t0, headers, engine=prefill.name,
+                                   route="disaggregated")
                     if req.spans is not None else None)
             try:
                 reply = await prefill.client.post_json(

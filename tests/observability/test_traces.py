@@ -51,6 +51,8 @@ def test_a_pd_request_is_one_trace_across_proxy_and_both_engines(obs_stack, otlp
         assert span.parent_id == root.span_id, stage
         assert span.attributes["pd.request_id"] == "trace-me", stage
         assert root.start_ns <= span.start_ns <= span.end_ns <= root.end_ns, stage
+        if stage not in ("admission", "tokenize"):  # known from the decision on
+            assert span.attributes["pd.route"] == "disaggregated", stage
     (prefill,), (decode,) = by_name["prefill"], by_name["decode"]
     assert prefill.attributes["pd.engine"] == "prefill-0"
     assert decode.attributes["pd.engine"] == "decode-0"

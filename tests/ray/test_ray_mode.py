@@ -25,6 +25,7 @@ from harness.engine_io import (
 from harness.greedy_streams import differing, greedy_streams
 from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
+from harness.stack import ROOT
 from launch.engines import private_socket_dir
 
 GOLDEN_LENGTHS = (100, 1000)
@@ -113,6 +114,11 @@ def test_a_local_clusters_engines_listen_on_loopback_and_want_the_key(ray_stack)
     kv = {u.address for u in unix_listeners(pids) if "kv-events" in u.address}
     assert len(kv) == len(engines) and all(
         os.path.dirname(a) == str(private_socket_dir()) for a in kv), kv
+    # The Prometheus targets file Ray mode keeps current lists the same engines.
+    groups = json.loads((ROOT / ".pdserve" / "observability" / "targets.json").read_text())
+    assert {g["labels"].get("pd_engine"): g["targets"][0] for g in groups} == {
+        None: ray_stack.proxy_url.removeprefix("http://"),
+        **{name: e["url"].removeprefix("http://") for name, e in engines.items()}}
     body = {"model": ray_stack.model_name, "prompt": "hello", "max_tokens": 1}
     for e in engines.values():
         assert httpx.post(e["url"] + "/v1/completions", json=body, timeout=30
