@@ -73,7 +73,7 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None,
         side_channel_port=opts.side_channel_base_port,
         device=device,
         kv_cache_gib=opts.engines.kv_cache_gib,
-        dtype=default_dtype(device),
+        dtype=default_dtype(device, opts.engines.dtype),
         max_model_len=opts.engines.max_model_len,
         connector=opts.engines.connector(cpu_fixes=device == "cpu"),
         extra_args=opts.engines.vllm_args(),
@@ -158,7 +158,8 @@ def run_dev(opts: DevOptions) -> int:
     device = detect_device()
     check_kv_capacity(device, opts.engines.max_model_len, opts.engines.kv_blocks,
                       opts.engines.kv_cache_gib,
-                      model_kv_bytes_per_token(opts.model_path, default_dtype(device)))
+                      model_kv_bytes_per_token(opts.model_path,
+                                               default_dtype(device, opts.engines.dtype)))
     if opts.link_mbit is not None and opts.layout != "disaggregated":
         raise ValueError("--link-mbit puts the prefill engine behind the link: it needs "
                          "--layout disaggregated")

@@ -126,7 +126,7 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         cpu_cores=str((ordinal * 2 + (role == "decode")) % cores) if device == "cpu" else None,
         kv_cache_gib=template.engines.kv_cache_gib,
         gpu_memory_utilization=template.gpu_memory_utilization,
-        dtype=default_dtype(device),
+        dtype=default_dtype(device, template.engines.dtype),
         max_model_len=template.engines.max_model_len,
         connector=template.engines.connector(cpu_fixes=device == "cpu"),
         extra_args=template.engines.vllm_args(),

@@ -43,6 +43,10 @@ class EngineSettings(BaseModel):
 
     kv_cache_gib: int = Field(default=2, ge=1, description=(
         "CPU: KV cache per engine, whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description=(
+            "the engines' weights and activations: auto = bfloat16 on a GPU, float32 on a CPU "
+            "(bf16 on a CPU changed answers, even with AMX)"))
     max_model_len: int = Field(default=4096, gt=0, description=(
         "the engines' context length, prompt and answer tokens"))
     lease_s: int = Field(default=ConnectorOptions.lease_s, gt=0, description=(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import cli
-from launch.engines import EngineSpec
+from launch.engines import EngineSpec, default_dtype
 from launch.ray_engine import EngineTemplate
 from launch.settings import EngineSettings, ProxySettings, add_arguments, flags, from_args
 from proxy.config import ProxyConfig
@@ -131,3 +131,13 @@ def test_a_renamed_flag_keeps_working_under_its_old_name_and_says_so(capsys):
         decode_urls=["http://d"], kv_bytes_per_token=1, served_model_names=["m"],
     ).deadlines().headers_s == 7.5
     assert p.parse_args(["--headers-deadline-s", "3"]).headers_deadline_s == 3.0
+
+
+def test_cpu_engines_default_to_float32_even_with_amx():
+    """bf16 on the CPU changed answers (README, Platform notes): float32 unless asked."""
+    assert default_dtype("cpu") == "float32"
+    assert default_dtype("cuda") == "bfloat16"
+    assert default_dtype("cpu", "bfloat16") == "bfloat16"
+    for mode in ("dev", "ray"):
+        args = parsers()[mode].parse_args(["--dtype", "bfloat16"])
+        assert from_args(EngineSettings, args).dtype == "bfloat16"
