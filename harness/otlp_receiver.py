@@ -5,6 +5,7 @@ What an OpenTelemetry collector would get from the proxy and the engines
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -85,3 +86,23 @@ class OtlpReceiver:
         with self._lock:
             return sorted((s for s in self.spans if s.trace_id == trace_id),
                           key=lambda s: s.start_ns)
+
+    def request_trace(self, request_id: str, engine_spans: int = 2,
+                      timeout_s: float = 60.0) -> list[ReceivedSpan]:
+        """The trace of the proxy's request ``request_id`` once it holds ``engine_spans`` of
+        the engines' own spans (``llm_request``); fails after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                roots = [s for s in self.spans if s.name == "pdserve.request"
+                         and s.attributes.get("pd.request_id") == request_id]
+            if roots:
+                spans = self.trace(roots[0].trace_id)
+                if sum(s.name == "llm_request" for s in spans) >= engine_spans:
+                    return spans
+            if time.monotonic() > deadline:
+                with self._lock:
+                    seen = [s.name for s in self.spans][-40:]
+                raise AssertionError(f"no trace of {request_id} with {engine_spans} engine "
+                                     f"spans within {timeout_s} s; last spans: {seen}")
+            time.sleep(0.2)

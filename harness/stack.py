@@ -151,13 +151,13 @@ def start_dev(model: str = "tiny", *, port: int, engine_base_port: int,
 
 def start_ray(model: str = "tiny", *, port: int, log_dir: Path, extra: Sequence[str] = (),
               model_name: str | None = None, timeout_s: float = 900.0,
-              health_poll_s: float = 1.0, progress: Callable[[str], None] | None = None
-              ) -> Stack:
-    """``pdserve ray`` (a local cluster unless ``extra`` gives ``--address``); returns once
-    its proxy answers ``/health``."""
+              health_poll_s: float = 1.0, progress: Callable[[str], None] | None = None,
+              env: Mapping[str, str] | None = None) -> Stack:
+    """``pdserve ray`` (a local cluster unless ``extra`` gives ``--address``; ``env``: more
+    environment for it); returns once its proxy answers ``/health``."""
     argv = ["ray", "--model", model, "--port", str(port), "--log-dir", str(log_dir / "engines")]
     return _launch("ray", [*argv, *extra], port, log_dir, model_name or _name(model),
-                   timeout_s, health_poll_s, progress)
+                   timeout_s, health_poll_s, progress, env)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from launch.observability.setup import ObservabilityOptions, Observer
 from launch.observability.targets import ObservedDirectory
 from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
-from launch.settings import ProxySettings
+from launch.settings import EngineSettings, ProxySettings
 from launch.shutdown import run_server
 from proxy.pool import EndpointInfo
 
@@ -179,6 +179,17 @@ class RayDirectory:
         return [self._last[n] for n in names if n in self._last]
 
 
+def otel_runtime_env(environ: Mapping[str, str], engines: EngineSettings
+                     ) -> dict[str, Any] | None:
+    """The launcher's ``OTEL_*`` settings (the exporter's protocol, batching) for every actor
+    and so every engine: vLLM reads them from its environment, and an actor's is its node's,
+    not the launcher's. None when tracing is off or nothing is set."""
+    otel = {k: v for k, v in environ.items() if k.startswith("OTEL_")}
+    if not engines.otlp_traces_endpoint or not otel:
+        return None
+    return {"env_vars": otel}
+
+
 def _progress(elapsed: float, pending: list[str]) -> None:
     if pending:
         print(f"starting engines: {elapsed:5.0f}s, waiting for {', '.join(pending)}",
@@ -225,7 +236,8 @@ def run_ray(opts: RayOptions) -> int:
           file=sys.stderr, flush=True)
     ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
              num_cpus=opts.local_num_cpus if opts.address is None else None,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False,
+             runtime_env=otel_runtime_env(os.environ, opts.template.engines))
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())

@@ -108,6 +108,8 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             await service.admission.acquire()
         except ProxyError as err:
             service.metrics.rejected_total.labels(err.type).inc()
+            if service.tracing is not None:
+                service.tracing.refused(request_id, endpoint, t_arrival, err.status, err.type)
             return error_response(err, request_id)
         except ClientGone:  # left while sending the body
             service.metrics.client_disconnects_total.labels("before_response").inc()
@@ -115,7 +117,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         spans = None
         if service.tracing is not None:
             spans = service.tracing.request(request_id, endpoint, t_arrival)
-            spans.stage("admission", t_queued, time.perf_counter())
+            spans.hold("admission", t_queued, time.perf_counter())
         api_request = ApiRequest(endpoint, body, stream, request_id, kv_limits=kv_limits,
                                  targets=targets, spans=spans)
         service.metrics.inflight_requests.inc()
@@ -135,11 +137,15 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             return Response(status_code=499)
         except ProxyError as err:
             service.metrics.requests_total.labels(endpoint, "none", str(err.status)).inc()
+            if spans is not None:
+                spans.failed(err.status, err.type)
             return error_response(err, request_id)
         except Exception:  # never a stack trace to the client
             log.exception("request %s failed", request_id)
             internal = UpstreamError("internal error while serving the request")
             service.metrics.requests_total.labels(endpoint, "none", str(internal.status)).inc()
+            if spans is not None:
+                spans.failed(internal.status, internal.type)
             return error_response(internal, request_id)
         finally:
             if not handed_off:

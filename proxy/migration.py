@@ -158,8 +158,7 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
             if transcript is None or migrations >= limit or left is None:
                 refused = why_not or ("limit" if migrations >= limit else "unknown_budget")
                 metrics.migrations_failed_total.labels(refused).inc()
-                metrics.stream_errors_total.labels(reason).inc()
-                yield failure
+                yield _given_up(req, failure, reason, metrics)
                 return
             nxt = continuation(with_token_ids(req), transcript, left)
             t0 = time.perf_counter()
@@ -169,10 +168,11 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                 log.warning("%s: no continuation after %s (%s)", req.request_id, reason,
                             exc.message)
                 metrics.migrations_failed_total.labels("no_engine").inc()
-                metrics.stream_errors_total.labels(reason).inc()
-                yield failure
+                yield _given_up(req, failure, reason, metrics)
                 return
             migrations += 1
+            if req.spans is not None:
+                req.spans.annotate(migrations=migrations)
             transcript.continued(as_completion=nxt.endpoint != req.endpoint)
             metrics.migrations_total.labels(reason).inc()
             log.info("%s: stream continued after %s (%d tokens delivered, %.0f ms to resume)",
@@ -180,6 +180,15 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                      1e3 * (time.perf_counter() - t0))
     finally:
         await _close(chunks)
+
+
+def _given_up(req: ApiRequest, failure: ProxyError, reason: str, metrics: ProxyMetrics
+              ) -> ProxyError:
+    """The stream ends with ``failure`` in band: counted, and the request's trace says so."""
+    metrics.stream_errors_total.labels(reason).inc()
+    if req.spans is not None:
+        req.spans.failed(failure.status, failure.type)
+    return failure
 
 
 async def _close(chunks: AsyncIterator[bytes | ProxyError]) -> None:

@@ -192,10 +192,13 @@ class Orchestrator:
                          output_budget=output_budget(req.body), load=self._load,
                          prefill=prefill, decode=decode, targets=targets)
         if req.spans is not None:
-            req.spans.stage("tokenize", t0, t1, prompt_tokens=plan.prompt_tokens)
+            prefill_name = plan.prefill.name if plan.prefill else None
+            req.spans.hold("tokenize", t0, t1, prompt_tokens=plan.prompt_tokens)
             req.spans.stage("decision", t1, time.perf_counter(), route=plan.decision.route,
                             reason=plan.decision.reason, decode=plan.decode.name,
-                            prefill=plan.prefill.name if plan.prefill else None)
+                            prefill=prefill_name)
+            req.spans.decided(route=plan.decision.route, decode=plan.decode.name,
+                              prefill=prefill_name)
         return plan
 
     def _load(self, engine: Engine) -> float:

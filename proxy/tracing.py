@@ -8,9 +8,13 @@ to its last byte) with children for its stages: ``admission``, ``tokenize``, ``d
 ``prefill``, ``handover``, ``decode`` (sent -> first byte) and ``relay``. The calls to the
 engines carry the W3C ``traceparent`` of the ``prefill`` / ``decode`` span, so an engine
 started with vLLM's ``--otlp-traces-endpoint`` makes its own ``llm_request`` span their child:
-one trace id from the client's request to both engines. Every span carries the request id;
-stage spans the engines and the route. A stream continued on another decode engine
-(migration) adds that continuation's stages to the same trace.
+one trace id from the client's request to both engines. Every span carries the request id,
+the route and the engines: the stages that end before the decision (``admission``,
+``tokenize``) are held and exported at the request's end with the route it took and the
+engines that served it (:meth:`RequestSpans.annotate`). A stream continued on another decode
+engine (migration) adds that continuation's stages to the same trace. A request refused before
+admission (a 4xx, or 503 at capacity) is a trace of one span, ``pdserve.request`` with its
+status and error type (:meth:`Tracing.refused`); one that fails later gets both on its root.
 
 Stage spans are recorded after the fact from the timestamps the proxy takes anyway
 (``time.perf_counter``); only the two engine calls open theirs live, to have a context to send.
@@ -25,7 +29,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Span, set_span_in_context
+from opentelemetry.trace import Span, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 #: ``time.perf_counter()`` seconds -> the epoch nanoseconds spans are stamped with.
@@ -67,6 +71,16 @@ class Tracing:
                                                    "pd.endpoint": endpoint})
         return RequestSpans(self._tracer, root, request_id)
 
+    def refused(self, request_id: str, endpoint: str, t_arrival: float, status: int,
+                error_type: str) -> None:
+        """A request answered with an error before admission: one span, its whole life."""
+        root = self._tracer.start_span("pdserve.request", start_time=epoch_ns(t_arrival),
+                                       attributes={"pd.request_id": request_id,
+                                                   "pd.endpoint": endpoint, "pd.status": status,
+                                                   "pd.error_type": error_type})
+        root.set_status(Status(StatusCode.ERROR, error_type))
+        root.end()
+
     def shutdown(self) -> None:
         self._provider.shutdown()  # flushes what is still queued
 
@@ -80,12 +94,21 @@ class RequestSpans:
         self._context = set_span_in_context(root)
         self._request_id = request_id
         self._ended = False
+        #: What the root says of the request so far (route, engines): what held stages get.
+        self._known: dict[str, Any] = {}
+        #: Stages finished before the decision, exported at :meth:`end` with what is known.
+        self._held: list[tuple[str, float, float, dict[str, Any]]] = []
 
     def stage(self, name: str, t0: float, t1: float, **attributes: Any) -> None:
         """A finished stage, from ``perf_counter`` times."""
         span = self._tracer.start_span(name, context=self._context, start_time=epoch_ns(t0),
                                        attributes=self._attributes(attributes))
         span.end(end_time=epoch_ns(t1))
+
+    def hold(self, name: str, t0: float, t1: float, **attributes: Any) -> None:
+        """A stage finished before the route is known: exported at :meth:`end` with the
+        route and engines the request ended with."""
+        self._held.append((name, t0, t1, attributes))
 
     def call(self, name: str, t0: float, headers: dict[str, str], **attributes: Any) -> Span:
         """A stage that calls an engine, open from ``t0``: ``headers`` get its traceparent.
@@ -100,14 +123,29 @@ class RequestSpans:
         span.set_attributes(self._attributes(attributes))
         span.end(end_time=epoch_ns(t_end))
 
+    def decided(self, **attributes: Any) -> None:
+        """The decision's route and engines: what held stages get unless the request ends
+        otherwise (:meth:`annotate`)."""
+        self._known.update(attributes)
+
     def annotate(self, **attributes: Any) -> None:
+        """What is now known of the whole request (route, engines; None: no such engine): on
+        the root, and on the held stages."""
+        self._known.update(attributes)
         self._root.set_attributes(self._attributes(attributes))
 
+    def failed(self, status: int, error_type: str) -> None:
+        self.annotate(status=status, error_type=error_type)
+        self._root.set_status(Status(StatusCode.ERROR, error_type))
+
     def end(self, t_end: float | None = None) -> None:
-        if not self._ended:
-            self._ended = True
-            self._root.end(end_time=epoch_ns(t_end if t_end is not None else
-                                             time.perf_counter()))
+        if self._ended:
+            return
+        self._ended = True
+        for name, t0, t1, attributes in self._held:
+            self.stage(name, t0, t1, **{**self._known, **attributes})
+        self._held.clear()
+        self._root.end(end_time=epoch_ns(t_end if t_end is not None else time.perf_counter()))
 
     def _attributes(self, attributes: dict[str, Any]) -> dict[str, Any]:
         out = {"pd.request_id": self._request_id}

