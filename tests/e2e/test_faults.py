@@ -41,6 +41,10 @@ def kv_usage(url: str) -> float:
     return usage
 
 
+def generated_tokens(url: str) -> float:
+    return sample_sums(engine_metrics(url)).get("vllm:generation_tokens_total", 0.0)
+
+
 def proxy_metric(stack, name: str, **labels: str) -> float:
     return engine_io.proxy_metric(stack.proxy_url, name, **labels)
 
@@ -94,20 +98,29 @@ def test_stalled_prefill_is_given_up_and_served_local(stack):
 
 
 def test_stalled_decode_before_first_byte_is_a_504_and_aborted(stack):
+    """A 3000-token answer asked of a frozen decode engine: the client gets its 504 at the
+    deadline, and the engine, resumed, does not write the answer for nobody (its generated
+    tokens stop far short of 3000; a request left open would run to its end)."""
+    generated = generated_tokens(stack.decode_url)
     with stopped(stack.engine_pid("decode")):
         t0 = time.monotonic()
         r = httpx.post(stack.proxy_url + "/v1/chat/completions",
-                       json=chat(stack, 300, 2, stream=True), timeout=60)
+                       json=chat(stack, 300, 2, max_tokens=3000, stream=True,
+                                 ignore_eos=True), timeout=60)
         elapsed = time.monotonic() - t0
     assert r.status_code == 504, r.text
     error = r.json()["error"]
     assert error["type"] == "timeout_error" and "Traceback" not in error["message"]
     assert HEADERS_DEADLINE_S - 0.5 <= elapsed < HEADERS_DEADLINE_S + 10, elapsed
     wait_for(lambda: engine_requests(stack.decode_url) == 0, "decode drops the request", 30)
+    assert generated_tokens(stack.decode_url) - generated < 2500, "the answer ran: not aborted"
 
 
 def test_stalled_decode_mid_stream_ends_with_an_error_event(stack):
+    """Frozen mid-answer: the client's stream ends with an in-band error at the idle deadline,
+    and the engine, resumed, stops generating (far short of the 3000 tokens asked)."""
     body = chat(stack, 100, 3, max_tokens=3000, stream=True, ignore_eos=True)
+    generated = generated_tokens(stack.decode_url)
     events: list[str] = []
     with httpx.Client(timeout=60) as c, c.stream("POST", stack.proxy_url
                                                    + "/v1/chat/completions", json=body) as r:
@@ -125,10 +138,7 @@ def test_stalled_decode_mid_stream_ends_with_an_error_event(stack):
     assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "timeout_error"
     assert elapsed < IDLE_DEADLINE_S + 10, elapsed
     wait_for(lambda: engine_requests(stack.decode_url) == 0, "decode aborts the stream", 30)
-
-
-def generated_tokens(url: str) -> float:
-    return sample_sums(engine_metrics(url)).get("vllm:generation_tokens_total", 0.0)
+    assert generated_tokens(stack.decode_url) - generated < 2500, "the answer ran: not aborted"
 
 
 def test_client_gone_mid_stream_aborts_decode(stack):
