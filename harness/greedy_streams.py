@@ -1,5 +1,6 @@
 """Concurrent greedy streams through the official ``openai`` client, for the migration tests and
-benchmark: each stream's text, the arrival time of each chunk, and its finish reason. An
+benchmark: each stream's text, the arrival time of each chunk, its finish reason, and what a
+client checks to know it got one stream (the chunks' ids, how many finishes, the usage). An
 optional ``kill`` runs once every stream has received ``kill_after`` chunks (the moment a
 decode engine is taken away under them).
 """
@@ -19,6 +20,12 @@ class StreamResult:
     text: str
     times: list[float]  # perf_counter of each chunk
     finish: str | None
+    ids: frozenset[str] = frozenset()  # every chunk's ``id``: one stream has one
+    finishes: int = 0  # chunks that carried a finish_reason: one stream has one
+    usage: tuple[int, int] | None = None  # (prompt_tokens, completion_tokens), the last chunk's
+
+    def one_stream(self) -> bool:
+        return len(self.ids) == 1 and self.finishes == 1 and self.usage is not None
 
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
@@ -37,6 +44,15 @@ def differing(reference: Sequence[StreamResult], got: Sequence[StreamResult]) ->
     return [i for i, (a, b) in enumerate(zip(reference, got, strict=True)) if a.text != b.text]
 
 
+def not_one_stream(reference: Sequence[StreamResult], got: Sequence[StreamResult]
+                   ) -> list[int]:
+    """Indices of the streams a client could tell were pieced together: more than one ``id``,
+    other than one finish, or usage other than the uninterrupted run's (the prompt counted
+    once, every token once)."""
+    return [i for i, (a, b) in enumerate(zip(reference, got, strict=True))
+            if not b.one_stream() or b.usage != a.usage]
+
+
 async def greedy_streams(proxy_url: str, model: str, prompts: Sequence[str], max_tokens: int,
                          kill: Callable[[], None] | None = None, kill_after: int = 8,
                          chat: bool = False, timeout_s: float = 300.0) -> list[StreamResult]:
@@ -47,22 +63,28 @@ async def greedy_streams(proxy_url: str, model: str, prompts: Sequence[str], max
     async def one(i: int, prompt: str) -> StreamResult:
         parts: list[str] = []
         times: list[float] = []
-        finish = None
+        finish, finishes, ids, usage = None, 0, set(), None
+        usage_please = {"include_usage": True}
         if chat:
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens, temperature=0, stream=True)
+                max_tokens=max_tokens, temperature=0, stream=True, stream_options=usage_please)
         else:
             stream = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options=usage_please)
         async for chunk in stream:
             times.append(time.perf_counter())
+            ids.add(chunk.id)
             for c in chunk.choices:
                 text = c.delta.content if chat else c.text  # type: ignore[union-attr]
                 parts.append(text or "")
-                finish = c.finish_reason or finish
+                if c.finish_reason is not None:
+                    finish, finishes = c.finish_reason, finishes + 1
+            if chunk.usage is not None:
+                usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
             counts[i] += 1
-        return StreamResult("".join(parts), times, finish)
+        return StreamResult("".join(parts), times, finish, frozenset(ids), finishes, usage)
 
     async def killer() -> None:
         if kill is None:

@@ -13,7 +13,7 @@ import os
 import signal
 
 from harness.engine_io import proxy_metric
-from harness.greedy_streams import differing, greedy_streams
+from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.routes import costs, wait_for
 from tests.layouts.test_layouts import route
@@ -49,6 +49,10 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         print(f"migrated {migrated:.0f} of {STREAMS} streams; longest gap per stream (s): {gaps}")
         assert migrated >= 1, "no stream was on the killed engine"
         assert [r.finish for r in killed] == ["length"] * STREAMS
+        # One stream each, as a client sees it: one id, one finish, usage counting the
+        # prompt once and every token once (the uninterrupted run's).
+        assert all(r.one_stream() for r in reference)
+        assert not_one_stream(reference, killed) == []
         differ = differing(reference, killed)
         print(f"texts equal to the uninterrupted run's: {STREAMS - len(differ)} of {STREAMS}")
         assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)

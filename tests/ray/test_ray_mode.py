@@ -23,7 +23,7 @@ from harness.engine_io import (
     stream_text,
     success_count,
 )
-from harness.greedy_streams import differing, greedy_streams
+from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
 from harness.stack import ROOT
@@ -313,6 +313,10 @@ def test_zz_decode_killed_mid_run_streams_continue_and_it_restarts(ray_stack):
           f"{sorted(round(max(r.gaps()), 3) for r in killed)}")
     assert migrated >= 1, "no stream was decoding on decode-0"
     assert [r.finish for r in killed] == ["length"] * 8
+    # One stream each, as a client sees it: one id, one finish, usage counting the prompt
+    # once and every token once (the uninterrupted run's).
+    assert all(r.one_stream() for r in reference)
+    assert not_one_stream(reference, killed) == []
     differ = differing(reference, killed)
     print(f"texts equal to the uninterrupted run's: {8 - len(differ)} of 8")
     assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
