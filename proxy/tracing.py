@@ -35,6 +35,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 #: ``time.perf_counter()`` seconds -> the epoch nanoseconds spans are stamped with.
 _EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 _PROPAGATOR = TraceContextTextMapPropagator()
+#: What a held stage learns from the request's end: where it ran.
+_HELD_GET = frozenset({"route", "prefill", "decode"})
 
 
 def epoch_ns(perf_s: float) -> int:
@@ -126,12 +128,12 @@ class RequestSpans:
     def decided(self, **attributes: Any) -> None:
         """The decision's route and engines: what held stages get unless the request ends
         otherwise (:meth:`annotate`)."""
-        self._known.update(attributes)
+        self._known.update((k, v) for k, v in attributes.items() if k in _HELD_GET)
 
     def annotate(self, **attributes: Any) -> None:
-        """What is now known of the whole request (route, engines; None: no such engine): on
-        the root, and on the held stages."""
-        self._known.update(attributes)
+        """What is now known of the whole request: on the root; its route and engines (None:
+        no such engine) on the held stages too."""
+        self._known.update((k, v) for k, v in attributes.items() if k in _HELD_GET)
         self._root.set_attributes(self._attributes(attributes))
 
     def failed(self, status: int, error_type: str) -> None:

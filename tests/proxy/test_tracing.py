@@ -116,6 +116,9 @@ async def test_a_failed_request_says_so_on_its_root(prefill: FakeEngine, decode:
             assert resp.status_code == 200 and b"upstream_error" in resp.content
         else:
             assert resp.status_code >= 500
-    (root,) = of_request(exported, "lost")["pdserve.request"]
+    spans = of_request(exported, "lost")
+    (root,) = spans["pdserve.request"]
     assert root.status.status_code == StatusCode.ERROR
     assert root.attributes["pd.status"] == (502 if stream else resp.status_code)
+    assert "pd.status" not in spans["admission"][0].attributes  # the request's, not the stage's
+    assert spans["admission"][0].attributes["pd.decode"] == "decode-0"
