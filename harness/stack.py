@@ -42,6 +42,8 @@ class Stack:
     t_launch: float
     #: The secret the engines require on every path but /health and /metrics.
     engine_key: str = ""
+    #: The proxy's API key, when the stack was started with one (its /health may need it).
+    api_key: str | None = None
     #: Dev mode's engines (Ray mode: ask the proxy, ``engines()``).
     prefill_url: str = ""
     decode_url: str = ""
@@ -132,9 +134,10 @@ def start_dev(model: str = "tiny", *, port: int, engine_base_port: int,
               extra: Sequence[str] = (), model_name: str | None = None,
               timeout_s: float = 900.0, health_poll_s: float = 0.5,
               progress: Callable[[str], None] | None = None,
-              env: Mapping[str, str] | None = None) -> Stack:
+              env: Mapping[str, str] | None = None, api_key: str | None = None) -> Stack:
     """``pdserve dev`` on these ports (``env``: more environment for it and its engines);
-    returns once its proxy answers ``/health``."""
+    returns once its proxy answers ``/health`` (asked with ``api_key``, for a stack whose ops
+    are private: the key itself reaches pdserve through ``env`` or ``extra``)."""
     argv = ["dev", "--model", model, "--port", str(port),
             "--engine-base-port", str(engine_base_port),
             "--side-channel-base-port", str(side_channel_base_port), "--log-dir", str(log_dir)]
@@ -143,7 +146,7 @@ def start_dev(model: str = "tiny", *, port: int, engine_base_port: int,
     if policy is not None:
         argv += ["--policy", policy]
     stack = _launch("dev", [*argv, *extra], port, log_dir, model_name or _name(model),
-                    timeout_s, health_poll_s, progress, env)
+                    timeout_s, health_poll_s, progress, env, api_key)
     stack.prefill_url = f"http://127.0.0.1:{engine_base_port}"
     stack.decode_url = f"http://127.0.0.1:{engine_base_port + 1}"
     return stack
@@ -177,7 +180,7 @@ def serving(start: Callable[..., Stack], stop_signal: signal.Signals = signal.SI
 def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: str,
             timeout_s: float, health_poll_s: float,
             progress: Callable[[str], None] | None,
-            env: Mapping[str, str] | None = None) -> Stack:
+            env: Mapping[str, str] | None = None, api_key: str | None = None) -> Stack:
     log_dir.mkdir(parents=True, exist_ok=True)
     stack_id = uuid.uuid4().hex
     engine_key = uuid.uuid4().hex
@@ -195,11 +198,12 @@ def _launch(mode: str, argv: list[str], port: int, log_dir: Path, model_name: st
                              start_new_session=mode == "ray")
     out.close()
     stack = Stack(mode, popen, f"http://127.0.0.1:{port}", log_dir, model_name, stack_id,
-                  t_launch, engine_key)
+                  t_launch, engine_key, api_key)
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
     last_note = time.perf_counter()
     try:
-        while http_status(stack.proxy_url + "/health", 1.0) != 200:
+        while http_status(stack.proxy_url + "/health", 1.0, auth) != 200:
             if popen.poll() is not None:
                 raise RuntimeError(f"pdserve {mode} exited {popen.returncode}:\n"
                                    f"{stack.output()[-3000:]}")
@@ -222,10 +226,12 @@ def _name(model: str) -> str:
     return MODEL_NAMES.get(model, Path(model).name)
 
 
-def http_status(url: str, timeout: float = 2.0) -> int:
+def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | None = None
+                ) -> int:
     """Status of a GET (0 when nothing answered)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dict(headers or {})),
+                                    timeout=timeout) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code

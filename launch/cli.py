@@ -141,6 +141,10 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"))
     p.add_argument("--private-ops", action="store_true",
                    help="/health, /metrics and /pd/* need the API key too (default: public)")
+    p.add_argument("--drain-timeout-s", type=float, default=None,
+                   help="how long engines being removed may finish what they serve; past it "
+                        "they go anyway and their streams continue on the others (default: "
+                        "the deployment's --total-deadline-s)")
     p.add_argument("--timeout-s", type=float, default=900.0)
 
 
@@ -151,7 +155,8 @@ def _run_scale(args: argparse.Namespace) -> int:
 
     req = urllib.request.Request(
         args.proxy.rstrip("/") + "/pd/admin/scale", method="POST",
-        data=json.dumps({"role": args.role, "replicas": args.replicas}).encode(),
+        data=json.dumps({"role": args.role, "replicas": args.replicas, **(
+            {"drain_timeout_s": args.drain_timeout_s} if args.drain_timeout_s else {})}).encode(),
         headers={"Content-Type": "application/json",
                  **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
     try:

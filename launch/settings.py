@@ -115,6 +115,10 @@ class ProxySettings(BaseModel):
         "504 when the decode engine has not sent its response headers after this long"))
     idle_deadline_s: float = Field(default=_proxy_default("idle_deadline_s"), gt=0, description=(
         "end a stream with an in-band error when decode sends nothing this long"))
+    total_deadline_s: float = Field(default=_proxy_default("total_deadline_s"), gt=0,
+                                    description=(
+        "end a request that is not over this long after it arrived: a 504, or an in-band "
+        "timeout error once streaming (never continued elsewhere)"))
     migration_limit: int = Field(default=_proxy_default("migration_limit"), ge=0, description=(
         "continue a stream on another decode engine when its own is lost mid-answer, at most "
         "this many times (0 = end it with an in-band error)"))
@@ -122,6 +126,9 @@ class ProxySettings(BaseModel):
         "requests served at once (admission control)"))
     max_queued: int = Field(default=_proxy_default("max_queued"), ge=0, description=(
         "requests that may wait for a slot; beyond: 503 + Retry-After"))
+    queue_timeout_s: float = Field(default=_proxy_default("queue_timeout_s"), gt=0,
+                                   description=(
+        "how long a request may wait for a slot before its 503"))
     api_key: str | None = Field(default=None, description=(
         "require this bearer token on /v1/* (default: $PDSERVE_API_KEY)"))
     private_ops: bool = Field(default=False, description=(

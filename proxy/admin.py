@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from proxy.errors import InvalidRequest
 from proxy.policy import PolicyMode, parse_policy
@@ -19,6 +19,10 @@ class ScaleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     role: Literal["prefill", "decode"]
     replicas: StrictInt
+    #: How long engines being removed may take to finish what they serve (None: the
+    #: deployment's whole-request deadline). Past it they are removed anyway: their streams
+    #: are continued on the engines that stay (stream migration).
+    drain_timeout_s: float | None = Field(default=None, gt=0, le=86400)
 
     @model_validator(mode="after")
     def _check_range(self) -> ScaleRequest:
@@ -57,7 +61,7 @@ def parse_admin(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("replicas", "role", "policy", "prefill", "decode"):
+    for name in ("replicas", "role", "drain_timeout_s", "policy", "prefill", "decode"):
         if f"'{name}'" in message:
             return name
     return None

@@ -9,6 +9,7 @@ routes come first in the route table: they are the hot path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -93,6 +94,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
 
     async def completion(request: Request, endpoint: Endpoint) -> Response:
         t_arrival = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + config.total_deadline_s
         service: ProxyService = request.app.state.pd
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
@@ -119,7 +121,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             spans = service.tracing.request(request_id, endpoint, t_arrival)
             spans.hold("admission", t_queued, time.perf_counter())
         api_request = ApiRequest(endpoint, body, stream, request_id, kv_limits=kv_limits,
-                                 targets=targets, spans=spans)
+                                 targets=targets, spans=spans, deadline=deadline)
         service.metrics.inflight_requests.inc()
 
         def done() -> None:
@@ -210,7 +212,8 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         if service.scaler is None:
             raise InvalidRequest("this deployment cannot scale (dev mode); use pdserve ray")
         order: ScaleRequest = parse_admin(ScaleRequest, await request.body())
-        return _json(await service.scale(order.role, order.replicas, config.total_deadline_s))
+        drain_s = order.drain_timeout_s or config.total_deadline_s
+        return _json(await service.scale(order.role, order.replicas, drain_s))
 
     async def get_routing(request: Request, service: ProxyService) -> Response:
         """The routing policy and what each engine is asked to do."""

@@ -25,6 +25,7 @@ from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
 from proxy.errors import (
     DecodeLost,
     DecodeStalled,
+    RequestDeadline,
     StageTimeout,
     UpstreamError,
     from_engine_error,
@@ -140,11 +141,14 @@ class DecodeLeg:
     async def whole(self) -> bytes:
         """The decode engine's whole (unstreamed) reply; the claim ends with it."""
         stream = await self.open()
+        deadline = self.req.deadline
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._deadlines.total_s
         try:
-            async with asyncio.timeout(self._deadlines.total_s):
+            async with asyncio.timeout_at(deadline):
                 data = await stream.read_all()
         except TimeoutError:
-            raise StageTimeout("the decode engine did not finish in time") from None
+            raise RequestDeadline("the request did not finish within its deadline") from None
         except EngineTimeout:
             raise DecodeStalled("the decode engine stalled while answering",
                                 engine=self.decode.name) from None

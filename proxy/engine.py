@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.engine_client import EngineClient
+from proxy.engine_client import EngineClient, EngineStream
 from proxy.prefix_index import PrefixIndex
 from transport.engine_metrics import engine_load
 
@@ -39,6 +39,9 @@ class Engine:
     _nixl: tuple[float, float] | None = None  # (bytes, seconds) at the last probe
     #: Scale-down in progress: serves what it has, is picked for nothing new.
     draining: bool = False
+    #: The streams being relayed from it now (``proxy/relay.py``): what a scale-down past its
+    #: drain timeout moves to other engines (closing one makes its relay continue it elsewhere).
+    open_streams: set[EngineStream] = field(default_factory=set)
     #: Which incarnation of the engine this is (directory-found engines; "" otherwise).
     instance: str = ""
     #: When it was last picked (a pool-wide sequence number): ties rotate.

@@ -18,7 +18,8 @@
         ├── Overloaded            503 overloaded_error   (admission control; carries Retry-After)
         ├── NoEngineAvailable     503 service_unavailable
         └── StageTimeout          504 timeout_error      (a stage missed its deadline)
-            └── DecodeStalled     (the decode engine went silent after it had answered)
+            ├── DecodeStalled     (the decode engine went silent after it had answered)
+            └── RequestDeadline   (the whole request ran past --total-deadline-s)
 
 Messages are written for clients: they never carry stack traces or engine internals.
 """
@@ -137,6 +138,11 @@ class DecodeStalled(StageTimeout):
     def __init__(self, message: str, *, engine: str):
         super().__init__(message)
         self.engine = engine
+
+
+class RequestDeadline(StageTimeout):
+    """The whole request ran past its deadline: it ends here, wherever it is (never continued
+    on another engine: the deadline is the client's, not the engine's)."""
 
 
 def error_body(err: ProxyError) -> dict[str, Any]:

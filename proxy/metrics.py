@@ -78,6 +78,10 @@ class ProxyMetrics:
         self.inflight_requests = Gauge(
             "pd_inflight_requests", "Requests being served now.", registry=r,
         )
+        self.queued_requests = Gauge(
+            "pd_queued_requests", "Requests waiting for a slot (admission control).",
+            registry=r,
+        )
         self.event_loop_lag_seconds = Histogram(
             "pd_event_loop_lag_seconds", "How late the event loop ran a timer due now: how long"
             " one piece of work held the loop (every request and stream waits that long).",

@@ -102,6 +102,8 @@ class Orchestrator:
         continued on another, a whole reply asked for again there (up to the limit each)."""
         pinned = prefill is not None or decode is not None
         limit = 0 if pinned else self.migration_limit
+        if req.deadline is None:
+            req = replace(req, deadline=asyncio.get_running_loop().time() + self.deadlines.total_s)
         if req.stream:
             inner = with_token_ids(req) if limit and not_migratable(req.body) is None else req
             stream = await self._serve(inner, prefill, decode)
@@ -166,8 +168,9 @@ class Orchestrator:
                     leg.release_blocks()
                 self.metrics.client_disconnects_total.labels(stage).inc()
                 raise
-            return Stream(leg.route, relay(leg, stream, self.deadlines.total_s, self.metrics,
-                                           self.pool), leg.headers())
+            assert req.deadline is not None  # set by serve()
+            return Stream(leg.route, relay(leg, stream, req.deadline, self.metrics, self.pool),
+                          leg.headers())
         except BaseException:
             if leg is not None:
                 leg.ended(time.perf_counter())

@@ -153,6 +153,18 @@ class EnginePool:
             await asyncio.sleep(0.1)
         return True
 
+    def evacuate(self, names: Sequence[str]) -> int:
+        """Cut the streams relayed from ``names`` (draining engines past their timeout): each
+        relay sees its engine lost and the stream continues on another (stream migration).
+        Returns how many were cut."""
+        cut = 0
+        for e in self.all():
+            if e.name in names:
+                for stream in list(e.open_streams):
+                    stream.close()
+                    cut += 1
+        return cut
+
     def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost,
                      exclude: Engine | None = None) -> Engine | None:
         """The cheapest engine to prefill for ``exclude`` (the decode engine: never itself)."""

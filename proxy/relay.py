@@ -3,7 +3,9 @@
 Yields each chunk as it arrives (the client has it before any bookkeeping runs), then, when the
 engine fails mid-stream, one :class:`~proxy.errors.DecodeLost` or ``DecodeStalled``: the stream
 is continued elsewhere (``proxy/migration.py``, which counts what reaches the client) or the
-renderer turns it into an in-band error event (``proxy/render.py``). Whatever way the stream
+renderer turns it into an in-band error event (``proxy/render.py``). Past the request's own
+deadline (``ApiRequest.deadline``, the whole request's, kept across continuations) it yields a
+:class:`~proxy.errors.RequestDeadline` instead, which is never continued. Whatever way the stream
 ends (done, engine lost or silent, client gone) the decode request is closed (vLLM aborts it)
 and the request's decode claim released, in ``finally``.
 """
@@ -16,17 +18,20 @@ from collections.abc import AsyncIterator
 
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
-from proxy.errors import DecodeLost, DecodeStalled, ProxyError
+from proxy.errors import DecodeLost, DecodeStalled, ProxyError, RequestDeadline
 
 _DONE = b"data: [DONE]"
 
 
-async def relay(leg: DecodeLeg, stream: EngineStream, total_s: float, metrics, pool
+async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, pool
                 ) -> AsyncIterator[bytes | ProxyError]:
+    """``deadline``: when the whole request must be over (``loop.time()``)."""
     t_first = 0.0
     tail = b""
+    engine = leg.decode
+    engine.open_streams.add(stream)
     try:
-        async with asyncio.timeout(total_s):
+        async with asyncio.timeout_at(deadline):
             async for chunk in stream.chunks():
                 # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the client
                 # before this generator resumes.
@@ -40,7 +45,10 @@ async def relay(leg: DecodeLeg, stream: EngineStream, total_s: float, metrics, p
                 leg.frames(time.perf_counter(), chunk.count(b"data: "))
         if _DONE not in tail:
             raise EngineUnreachable("decode stream ended without [DONE]")
-    except (EngineUnreachable, EngineTimeout, TimeoutError) as exc:
+    except TimeoutError:  # the request's own deadline (the engine's silence is EngineTimeout)
+        metrics.stream_errors_total.labels("deadline").inc()
+        yield RequestDeadline("the request did not finish within its deadline")
+    except (EngineUnreachable, EngineTimeout) as exc:
         lost = isinstance(exc, EngineUnreachable)
         if lost:
             pool.mark_down(leg.decode)
@@ -52,6 +60,7 @@ async def relay(leg: DecodeLeg, stream: EngineStream, total_s: float, metrics, p
         metrics.client_disconnects_total.labels("streaming").inc()
         raise
     finally:
+        engine.open_streams.discard(stream)
         stream.close()
         leg.ended(time.perf_counter())
         metrics.stage_seconds.labels("total", leg.route).observe(

@@ -39,6 +39,10 @@ class ApiRequest:
     targets: Targets | None = None
     #: This request's trace (``proxy/tracing.py``); None when tracing is off.
     spans: RequestSpans | None = None
+    #: When the whole request must be over, in the event loop's clock (``loop.time()``): set
+    #: at arrival from ``--total-deadline-s`` and kept by every retry and continuation (None:
+    #: the orchestrator sets it when serving starts).
+    deadline: float | None = None
 
     @property
     def path(self) -> str:

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
+#: After a drain timed out and its streams were cut, how long their continuations may take to
+#: leave the engine (their relays end at once; a whole reply being read ends with its engine).
+_EVACUATE_S = 5.0
 
 
 class ProxyService:
@@ -64,6 +67,7 @@ class ProxyService:
             migration_limit=config.migration_limit, max_model_len=config.max_model_len)
         self.admission = Admission(config.max_inflight, config.max_queued,
                                    config.queue_timeout_s)
+        metrics.queued_requests.set_function(lambda: self.admission.queued)
         self.warmed = not config.warmup
         #: One trace per request, when an OTLP endpoint is configured (else nothing is made).
         self.tracing: Tracing | None = None
@@ -170,6 +174,11 @@ class ProxyService:
                 removed = names[replicas:]
                 self.pool.drain(removed)
                 drained = await self.pool.wait_idle(removed, drain_timeout_s)
+                if not drained:  # past the timeout: their streams continue elsewhere first
+                    cut = self.pool.evacuate(removed)
+                    log.warning("drain of %s timed out: %d streams moved to other engines",
+                                ", ".join(removed), cut)
+                    await self.pool.wait_idle(removed, _EVACUATE_S)
                 await self.scaler.remove(removed)
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,

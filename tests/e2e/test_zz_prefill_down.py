@@ -156,3 +156,37 @@ def test_zz_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):
     assert httpx.get(tiny_stack.proxy_url + "/health", timeout=5).status_code == 503
     metrics = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=5).text
     assert 'pd_stream_errors_total{reason="decode_lost"} 1.0' in metrics
+
+
+def test_zzz_decode_restarted_by_dev_mode_serves_pd_again(tiny_stack):
+    """Dev mode restarted the killed decode engine (``launch/supervisor.py``: same ports, new
+    process). The proxy saw it come back and warmed the pair up before users; /health is 200
+    again and a request is disaggregated, its KV pulled by the new engine over NIXL."""
+    # Run alone (the decode never killed): kill it here.
+    view = httpx.get(tiny_stack.proxy_url + "/pd/costs", timeout=10).json()["engines"]
+    killed = tiny_stack.engine_pid("decode")
+    if view["decode-0"]["healthy"] and sample(
+            httpx.get(tiny_stack.proxy_url + "/metrics", timeout=10).text,
+            'pd_stream_errors_total{reason="decode_lost"}') == 0:
+        os.killpg(killed, signal.SIGKILL)
+        time.sleep(3)  # the proxy's 1 s health probe sees it down
+    deadline = time.monotonic() + 300
+    with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
+        while True:
+            engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
+            if engines["decode-0"]["healthy"] and not engines["decode-0"]["warming"]:
+                break
+            assert time.monotonic() < deadline, f"decode not back: {tiny_stack.output()[-2000:]}"
+            time.sleep(0.5)
+        pid = tiny_stack.engine_pid("decode")
+        assert pid != killed and os.path.exists(f"/proc/{pid}"), "a new decode process"
+        assert client.get(tiny_stack.proxy_url + "/health").status_code == 200
+        before = prompt_sources(tiny_stack.decode_url)
+        body = {"model": tiny_stack.model_name, "max_tokens": 8, "temperature": 0,
+                "prompt": text_of_tokens(400, seed=79)}
+        r = client.post(tiny_stack.proxy_url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated", r.text
+        pulled = prompt_sources(tiny_stack.decode_url).get("external_kv_transfer", 0.0)
+        assert pulled - before.get("external_kv_transfer", 0.0) >= 400 - 16
+        alone = client.post(tiny_stack.decode_url + "/v1/completions", json=body).json()
+        assert r.json()["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -169,12 +169,53 @@ async def test_scale_down_drains_in_flight_then_removes(prefill, decode, decode_
         assert [e.name for e in pool.decode] == ["decode-0"]
 
 
+async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
+        prefill, decode, decode_b):
+    """A stream held on decode-1 past the scale request's drain timeout: the proxy cuts it and
+    continues it on decode-0 (stream migration) before decode-1 is removed; the client gets
+    the whole answer."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = RecordingScaler(directory, [info("decode-1", decode_b)])
+    config = proxy_config(prefill, decode, health_interval_s=0.05)
+    async with live_proxy(config, directory=directory, scaler=scaler) as proxy, \
+            httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200, r.text
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "decode-1 up")
+        decode.decode_gate = asyncio.Event()  # keep decode-0 busy so decode-1 gets the stream
+        busy = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode.wait_for_requests(1)
+        decode_b.decode_gate, decode_b.decode_gate_after_frames = asyncio.Event(), 2
+        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode_b.wait_for_requests(1)
+        decode.decode_gate.set()  # decode-0 free again: the continuation goes there
+        r = await c.post(proxy.url + "/pd/admin/scale", timeout=30, json={
+            "role": "decode", "replicas": 1, "drain_timeout_s": 0.3})
+        assert r.status_code == 200 and r.json() == {
+            "role": "decode", "replicas": 1, "added": [], "removed": ["decode-1"],
+            "drained": False}, r.text
+        assert not decode_b.decode_gate.is_set()  # never let go: the proxy moved the stream
+        r = await held
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        assert "error" not in r.text
+        assert len(decode.decode_requests) == 2  # its own and the continuation
+        assert proxy.metric("pd_migrations_total", reason="decode_lost") == 1
+        assert (await busy).status_code == 200
+        assert [e.name for e in pool.decode] == ["decode-0"]
+        decode_b.decode_gate.set()
+
+
 @pytest.mark.parametrize("body,status", [
     ({"role": "decode", "replicas": 0}, 400),
     ({"role": "gpu", "replicas": 1}, 400),
     ({"role": "prefill", "replicas": "2"}, 400),
     ({"role": "prefill", "replicas": True}, 400),
     ({"role": "prefill", "replicas": 65}, 400),
+    ({"role": "decode", "replicas": 1, "drain_timeout_s": 0}, 400),
 ])
 async def test_scale_rejects_bad_requests(prefill, decode, body, status):
     directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
@@ -185,7 +226,8 @@ async def test_scale_rejects_bad_requests(prefill, decode, body, status):
         assert r.status_code == 401  # no key
         r = await c.post(proxy.url + "/pd/admin/scale", json=body,
                          headers={"Authorization": "Bearer k"})
-        assert r.status_code == status and r.json()["error"]["param"] in ("role", "replicas")
+        assert r.status_code == status and r.json()["error"]["param"] in (
+            "role", "replicas", "drain_timeout_s")
         assert scaler.removed == [] and len(directory.infos) == 2
 
 

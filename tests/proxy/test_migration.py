@@ -246,3 +246,24 @@ async def test_a_request_without_max_tokens_keeps_its_budget(engines, path, max_
         want = max_model_len - len(cont["prompt"])  # the original prompt + the one relayed
     assert cont["max_tokens"] == want and "max_completion_tokens" not in cont
     assert text_of(events(resp.content)) == TEXT
+
+
+async def test_the_whole_request_deadline_ends_a_stream_and_is_never_continued(engines):
+    """A stream still going at ``total_deadline_s`` (its engine fine, only slow) ends with an
+    in-band timeout: it is not a lost engine, so no continuation gets a fresh deadline."""
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames = None
+    decode.stream_tokens = tuple(f" t{i}" for i in range(40))
+    decode.decode_frame_interval_s = 0.05  # 2 s for the whole answer; the deadline is 0.5 s
+    async with proxy(prefill, decode, **two_decodes(
+            decode, decode2, headers_deadline_s=0.4, total_deadline_s=0.5)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(
+            stream=True, max_tokens=40))
+        await asyncio.wait_for(decode.decode_aborted.wait(), 5)
+        assert await metric(client, "pd_stream_errors_total", reason="deadline") == 1
+        assert await metric(client, "pd_migrations_total", reason="decode_timeout") == 0
+    assert resp.status_code == 200
+    *tokens, error = events(resp.content)
+    assert error["error"]["type"] == "timeout_error", error
+    assert 0 < len(tokens) < 40
+    assert decode2.decode_requests == []

@@ -9,6 +9,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -26,7 +28,7 @@ from harness.engine_io import (
 from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
-from harness.stack import ROOT
+from harness.stack import ROOT, STACK_ENV
 from launch.engines import private_socket_dir
 from tests.trace_checks import assert_one_pd_trace
 
@@ -342,15 +344,22 @@ def test_zz_decode_killed_mid_run_streams_continue_and_it_restarts(ray_stack):
     assert set(load.outcomes) == {"ok"}, load.outcomes
 
 
+def pdserve_scale(stack, role: str, replicas: int, *extra: str) -> dict:
+    """``pdserve scale`` as a user runs it; its printed JSON answer."""
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "scale", role, str(replicas), "--proxy",
+         stack.proxy_url, *extra], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_zzz_scale_down_keeps_in_flight_streams(ray_stack):
-    """Scale decode 2 -> 1 while streams run: every stream completes; decode-1's engine stops;
-    requests keep being served by decode-0."""
+    """Scale decode 2 -> 1 (``pdserve scale``) while streams run: every stream completes;
+    decode-1's engine stops; requests keep being served by decode-0."""
     with Load(ray_stack, clients=3, max_tokens=96) as load:
         time.sleep(5)
-        r = httpx.post(ray_stack.proxy_url + "/pd/admin/scale", timeout=600,
-                       json={"role": "decode", "replicas": 1})
-        assert r.status_code == 200, r.text
-        assert r.json()["removed"] == ["decode-1"] and r.json()["drained"] is True
+        scaled = pdserve_scale(ray_stack, "decode", 1)
+        assert scaled["removed"] == ["decode-1"] and scaled["drained"] is True
         time.sleep(5)
     assert set(load.outcomes) == {"ok"}, load.outcomes
     assert sorted(decodes(ray_stack)) == ["decode-0"]
@@ -390,3 +399,62 @@ def test_zzzz_scale_up_under_load(ray_stack):
             time.sleep(1)
     assert set(load.outcomes) == {"ok"}, load.outcomes
     assert sorted(decodes(ray_stack)) == ["decode-0", added]
+
+
+def test_zzzzz_scale_down_past_its_drain_timeout_moves_the_streams(ray_stack):
+    """Scale decode 2 -> 1 under streams longer than the drain timeout (2 s): the engine goes
+    anyway (``drained`` false), and the streams it was serving continue on the one that stays
+    (stream migration): every stream still completes."""
+    if len(decodes(ray_stack)) < 2:  # run alone: two decodes first
+        r = httpx.post(ray_stack.proxy_url + "/pd/admin/scale", timeout=600,
+                       json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 600
+    while not all(e["healthy"] and not e["warming"] for e in decodes(ray_stack).values()):
+        assert time.monotonic() < deadline, decodes(ray_stack)
+        time.sleep(1)
+    newest = sorted(decodes(ray_stack), key=lambda n: int(n.rsplit("-", 1)[1]))[-1]
+    url = decodes(ray_stack)[newest]["url"]
+    before = proxy_metric(ray_stack.proxy_url, "pd_migrations_total", reason="decode_lost")
+    with Load(ray_stack, clients=3, max_tokens=600) as load:
+        deadline = time.monotonic() + 120
+        while not decodes(ray_stack)[newest]["inflight"]:  # a stream there to move
+            assert time.monotonic() < deadline, f"{newest} gets no stream"
+            time.sleep(0.2)
+        scaled = pdserve_scale(ray_stack, "decode", 1, "--drain-timeout-s", "2")
+        assert scaled["removed"] == [newest] and scaled["drained"] is False, scaled
+        time.sleep(3)
+    migrated = proxy_metric(ray_stack.proxy_url, "pd_migrations_total",
+                            reason="decode_lost") - before
+    assert set(load.outcomes) == {"ok"}, load.outcomes
+    assert migrated >= 1, f"no stream of {newest} ({url}) was continued"
+    assert sorted(decodes(ray_stack)) == ["decode-0"]
+
+
+def test_zzzzzz_pdserve_ray_exits_when_its_cluster_is_gone(ray_stack):
+    """The head lost (its GCS server and raylet killed): ``pdserve ray`` notices within a few
+    seconds and exits, and no engine of the deployment outlives it (the actors die with their
+    raylet, and each engine with its actor). Runs last: it ends the package's stack."""
+    cluster = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "gcs_server" not in cmd and "raylet" not in cmd:
+            continue
+        try:
+            if p.environ().get(STACK_ENV) == ray_stack.stack_id:
+                cluster.append(p)
+        except psutil.Error:
+            continue
+    assert any("gcs_server" in " ".join(p.cmdline()) for p in cluster), cluster
+    t0 = time.monotonic()
+    for p in cluster:
+        p.kill()
+    ray_stack.popen.wait(120)
+    exited_after = time.monotonic() - t0
+    print(f"pdserve ray exited {exited_after:.1f}s after its cluster was killed")
+    deadline = time.monotonic() + 60
+    while ray_stack.engine_pids():
+        left = ray_stack.engine_pids()
+        assert time.monotonic() < deadline, f"engines outlive the cluster: {left}"
+        time.sleep(1)
+    assert "the Ray cluster is gone" in ray_stack.output()
