@@ -42,6 +42,7 @@ class Streams:
 
     def __init__(self, stack, n: int = 2):
         self.times: list[list[float]] = [[] for _ in range(n)]
+        self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(stack, i), daemon=True)
                          for i in range(n)]
         for t in self._threads:
@@ -55,6 +56,8 @@ class Streams:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     self.times[i].append(time.perf_counter())
+                if self._stop.is_set():  # hang up: the proxy and the engine abort the stream
+                    return
 
     def worst_gap(self, t0: float, t1: float) -> float:
         """The longest gap between two tokens of a stream that ends within [t0, t1]."""
@@ -67,6 +70,13 @@ class Streams:
     def join(self) -> None:
         for t in self._threads:
             t.join(300)
+
+    def stop(self) -> None:
+        """Hang up every stream (a 3,000-token answer would run for a minute or more on a
+        loaded box, and the next routing change waits for idle engines)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
 
 
 def decisions(stack, route_: str, reason: str) -> float:
@@ -87,6 +97,7 @@ def test_a_long_arrival_is_disaggregated_only_while_streams_decode(pool_stack):
     # saw 1.02 s of stall on the decode engine's streams during the first measured pull from a
     # just-restarted engine-0, against 0.26 s for the local prefill.
     route(stack, policy="disaggregate", prefill=["engine-0"], decode=["engine-1"])
+    streams = None
     try:
         assert send(stack, arrival(stack, 0))[2] == "disaggregated"
         route(stack, policy="auto")
@@ -128,4 +139,6 @@ def test_a_long_arrival_is_disaggregated_only_while_streams_decode(pool_stack):
         assert protected < stalled / 2  # ... and disaggregating spared them most of it
         assert protected < max(3 * p99_rest, p99_rest + SLO["itl_ms"] / 1e3)
     finally:
+        if streams is not None:
+            streams.stop()
         route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
