@@ -85,3 +85,42 @@ def test_an_event_that_only_carried_ids_is_dropped_when_the_client_did_not_ask()
                                    "finish_reason": None, "token_ids": [100]}]})
     assert t.feed(only_ids) == b"" and t.output_ids == [100]
     assert Transcript(chat=True, keep_ids=True).feed(only_ids) == only_ids
+
+
+_TEXTS = st.text(alphabet=st.sampled_from('ab "\\,:[]{}\n\u00e9\u4e2d'), max_size=8)
+
+
+@given(st.lists(st.tuples(_TEXTS, st.lists(st.integers(0, 2**31), max_size=3),
+                          st.sampled_from([None, "length", "stop"]), st.booleans()),
+                min_size=1, max_size=6), st.booleans())
+def test_the_quick_path_of_plain_token_events_reads_as_the_full_one(events, chat):
+    """Events the quick path takes (text and ids, no finish) give the client the same JSON and
+    the transcript the same ids and finish as parsing them: checked against a transcript made
+    to parse every event."""
+    def make(i: int, text: str, ids: list[int], finish, usage: bool) -> bytes:
+        if chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                      "finish_reason": finish, "token_ids": ids}
+            obj = {"id": "chatcmpl-q", "object": "chat.completion.chunk", "created": 3,
+                   "model": "m", "choices": [choice]}
+        else:
+            obj = {"id": "cmpl-q", "object": "text_completion", "created": 3, "model": "m",
+                   "choices": [{"index": 0, "text": text, "logprobs": None,
+                                "finish_reason": finish, "stop_reason": None,
+                                "token_ids": ids}]}
+        if i == 0:
+            (obj if chat else obj["choices"][0])["prompt_token_ids"] = [1, 2]
+        if usage:
+            obj["usage"] = {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i}
+        return event(obj)
+
+    stream = b"".join(make(i, *e) for i, e in enumerate(events)) + b"data: [DONE]\n\n"
+    quick, full = Transcript(chat, keep_ids=False), Transcript(chat, keep_ids=False)
+    full._token_event = lambda _event: None  # type: ignore[method-assign]
+    got, want = quick.feed(stream), full.feed(stream)
+    parsed = [[json.loads(e[6:]) if e[6:] != b"[DONE]" else e for e in out.split(b"\n\n") if e]
+              for out in (got, want)]
+    assert parsed[0] == parsed[1]
+    assert (quick.output_ids, quick.prompt_ids, quick.finished) == (
+        full.output_ids, full.prompt_ids, full.finished)
+    assert b"token_ids" not in got
