@@ -30,12 +30,6 @@ _DONE = b"[DONE]"
 #: times faster than the standard library's (compact, UTF-8 as vLLM writes it).
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-#: What the quick path of a plain token event looks for (``Transcript._token_event``).
-_IDS = b'"token_ids":['
-_PROMPT_IDS = b'"prompt_token_ids"'
-_NO_FINISH = b'"finish_reason":null'
-_TEXT, _NO_TEXT = b'"text":"', b'"text":""'
-_CONTENT, _NO_CONTENT = b'"content":"', b'"content":""'
 
 
 class Transcript:
@@ -57,15 +51,12 @@ class Transcript:
         self._as_chat = False
         self._held = b""
         self._changed = False
-        #: Another engine answers now (its ids and times are rewritten: no quick path).
-        self._continued = False
 
     def continued(self, as_completion: bool) -> None:
         """Another engine takes over from here: its prompt carries the ids delivered so far;
         ``as_completion``: it answers a completion request for this chat stream."""
         self._carried = len(self.output_ids)
         self._as_chat = self.chat and as_completion
-        self._continued = True
         self._held = b""  # an event the lost engine did not finish was never sent
 
     def feed(self, chunk: bytes) -> bytes:
@@ -89,10 +80,6 @@ class Transcript:
             return None
         if not stripped.startswith(_DATA) or stripped[len(_DATA):].strip() == _DONE:
             return stripped + b"\n\n"
-        if not self._continued and not self.keep_ids and self.id is not None:
-            quick = self._token_event(stripped)
-            if quick is not None:
-                return quick
         try:
             obj = _decode(stripped[len(_DATA):])
         except msgspec.DecodeError:
@@ -106,34 +93,6 @@ class Transcript:
         if not self._changed:  # nothing to take out or rewrite: the engine's own bytes
             return stripped + b"\n\n"
         return _DATA + _encode(obj) + b"\n\n"
-
-    def _token_event(self, event: bytes) -> bytes | None:
-        """The common event of the first engine's stream, without parsing it: one choice with
-        text and its ``token_ids``, no finish, no usage, no prompt ids. Its ids are read and
-        cut out of the bytes (compact JSON as vLLM writes it; a ``"token_ids":[`` cannot occur
-        inside a JSON string, whose quotes are escaped). None: any other event (the full path
-        reads it)."""
-        at = event.find(_IDS)
-        if at < 0 or event.find(_IDS, at + 1) >= 0 or _PROMPT_IDS in event or (
-                _NO_FINISH not in event) or b'"usage":{' in event or b'"error"' in event:
-            return None
-        if not (_TEXT in event and _NO_TEXT not in event) and not (
-                _CONTENT in event and _NO_CONTENT not in event):
-            return None  # no text: maybe an event that only carries ids (dropped)
-        end = event.find(b"]", at)
-        raw = event[at + len(_IDS):end]
-        if event[at - 1:at] == b",":
-            cut = event[:at - 1] + event[end + 1:]
-        elif event[end + 1:end + 2] == b",":
-            cut = event[:at] + event[end + 2:]
-        else:
-            return None
-        try:
-            ids = [int(i) for i in raw.split(b",")] if raw else []
-        except ValueError:
-            return None
-        self.output_ids.extend(ids)
-        return cut + b"\n\n"
 
     def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         first_engine = self._carried == 0 and not self._as_chat
