@@ -89,6 +89,32 @@ def local_prefill_s(url: str, model: str, tokens: int, seed: int, headers: dict[
     return time.perf_counter() - t0
 
 
+def decisions(proxy_url: str) -> dict[str, float]:
+    """``pd_decisions_total`` by "route/reason"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(proxy_url + "/metrics", timeout=10).text
+    return {f"{s.labels['route']}/{s.labels['reason']}": s.value
+            for fam in text_string_to_metric_families(text) if fam.name == "pd_decisions"
+            for s in fam.samples if s.name == "pd_decisions_total"}
+
+
+async def concurrent_prefills(url: str, model: str, tokens: int, seed: int, n: int,
+                              headers: dict[str, str]) -> list[float]:
+    """``n`` fresh prompts of ``tokens`` sent to the engine at ``url`` at once (max_tokens 1):
+    each one's seconds to its answer."""
+    async def one(client: httpx.AsyncClient, k: int) -> float:
+        body = {"model": model, "prompt": text_of_tokens(tokens, seed=seed + k),
+                "max_tokens": 1}
+        t0 = time.perf_counter()
+        r = await client.post(url + "/v1/completions", json=body, timeout=120, headers=headers)
+        r.raise_for_status()
+        return time.perf_counter() - t0
+
+    async with httpx.AsyncClient() as client:
+        return list(await asyncio.gather(*(one(client, k) for k in range(n))))
+
+
 def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
     prompts = [text_of_tokens(args.prompt_tokens, seed=1000 * run + i)
                for i in range(args.streams)]
@@ -111,8 +137,12 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
         t_kill = time.perf_counter()
 
     before = proxy_metric(url, "pd_migrations_total", reason="decode_lost")
+    decided = decisions(url)
     killed = streams(kill)
     migrated = int(proxy_metric(url, "pd_migrations_total", reason="decode_lost") - before)
+    # The streams' own plans plus the continuations': which route the continuations took.
+    routes = {k: v - decided.get(k, 0.0) for k, v in decisions(url).items()
+              if v - decided.get(k, 0.0) > 0}
     across = []
     for r in killed:  # the gap that spans the kill (a stream that ended before it: none)
         spans = [b - a for a, b in zip(r.times, r.times[1:]) if a <= t_kill <= b]
@@ -122,8 +152,15 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
                                args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k,
                                stack.engine_headers)
                for k in range(5)]
+    # All the continuations at once on the survivor (what it must compute when they all
+    # move together), each timed to its own first token.
+    together = asyncio.run(concurrent_prefills(
+        survivor, stack.model_name, args.prompt_tokens + args.kill_after, 95_000 + 10 * run,
+        max(1, migrated), stack.engine_headers))
     out = {
         "run": run,
+        "decisions_during_kill_run": routes,
+        "continuations_prefilled_together_s": together,
         "completed": sum(r.finish == "length" for r in killed),
         "same_text": sum(a.text == b.text for a, b in zip(reference, killed)),
         "migrated": migrated,
@@ -134,7 +171,8 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
     }
     log(f"run {run}: {out['completed']}/{args.streams} completed, {out['same_text']} same "
         f"text, {migrated} migrated; migrated gaps {[round(g, 3) for g in out['migrated_gaps_s']]}"
-        f" s; one local prefill of a continuation {out['local_prefill_of_continuation_s']:.3f} s")
+        f" s; one local prefill of a continuation {out['local_prefill_of_continuation_s']:.3f} s"
+        f", {migrated} at once {[round(t, 3) for t in together]} s; decisions {routes}")
     t0 = time.monotonic()
     wait_until(lambda: (decodes(url).get("decode-0") or {}).get("instance")
                not in (None, victim["instance"]) and decodes(url)["decode-0"]["healthy"],
@@ -183,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             "same_text": f"{sum(r['same_text'] for r in runs)}/{args.streams * args.runs}",
             "median_migrated_gap_s": statistics.median(migrated) if migrated else None,
             "median_local_prefill_s": statistics.median(prefills),
+            "median_prefilled_together_s": statistics.median(
+                t for r in runs for t in r["continuations_prefilled_together_s"]),
             "gap_over_prefill": (statistics.median(migrated) / statistics.median(prefills)
                                  if migrated else None),
         },

@@ -199,9 +199,13 @@ def _progress(elapsed: float, pending: list[str]) -> None:
 
 
 def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: float = 2.0,
-                          misses: int = 3) -> None:
+                          misses: int = 3, grace_s: float = 10.0) -> None:
     """Watch the cluster's GCS port; when it stops answering (``ray down``, ``ray stop``, head
-    lost) set ``gone`` and SIGTERM this process, so the proxy never outlives its cluster."""
+    lost) set ``gone`` and SIGTERM this process, so the proxy never outlives its cluster. A
+    shutdown still running ``grace_s`` later is stuck in a Ray call that waits for the lost GCS
+    (the engine directory's, in a worker thread the event loop waits for at exit; Ray's own
+    core worker aborts the process only after 60 s): the process then exits at once. Its
+    engines went with the cluster's workers (each dies with its actor)."""
     host, port = gcs_address.rsplit(":", 1)
 
     def watch() -> None:
@@ -218,7 +222,10 @@ def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: f
                           flush=True)
                     gone.set()
                     os.kill(os.getpid(), signal.SIGTERM)
-                    return
+                    time.sleep(grace_s)
+                    print("pdserve: shutdown is stuck on the lost cluster; exiting",
+                          file=sys.stderr, flush=True)
+                    os._exit(143)
 
     threading.Thread(target=watch, name="ray-watchdog", daemon=True).start()
 
