@@ -99,6 +99,17 @@ def test_prefill_down_serves_local(tiny_stack):
         assert after["local_compute"] - before["local_compute"] >= 600 - 16
 
 
+def wait_back(stack, client: httpx.Client, name: str, timeout_s: float = 300) -> None:
+    """Until the proxy sees engine ``name`` healthy and warmed up again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        engine = client.get(stack.proxy_url + "/pd/costs").json()["engines"][name]
+        if engine["healthy"] and not engine["warming"]:
+            return
+        assert time.monotonic() < deadline, f"{name} not back: {stack.output()[-2000:]}"
+        time.sleep(0.5)
+
+
 def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
     """Dev mode restarted the killed prefill engine (same ports, new process). The proxy saw it
     come back, paid the new pair's NIXL handshake with a warm-up request before routing users
@@ -109,14 +120,8 @@ def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
     if view["prefill-0"]["healthy"] and "restarted" not in tiny_stack.output():
         os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
         time.sleep(3)  # the proxy's 1 s health probe sees it down
-    deadline = time.monotonic() + 300
     with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
-        while True:
-            engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
-            if engines["prefill-0"]["healthy"] and not engines["prefill-0"]["warming"]:
-                break
-            assert time.monotonic() < deadline, f"prefill not back: {tiny_stack.output()[-2000:]}"
-            time.sleep(0.5)
+        wait_back(tiny_stack, client, "prefill-0")
         pid = tiny_stack.engine_pid("prefill")
         assert os.path.exists(f"/proc/{pid}"), "run.json names the restarted engine"
         assert client.get(tiny_stack.proxy_url + "/health").status_code == 200
@@ -170,14 +175,8 @@ def test_zzz_decode_restarted_by_dev_mode_serves_pd_again(tiny_stack):
             'pd_stream_errors_total{reason="decode_lost"}') == 0:
         os.killpg(killed, signal.SIGKILL)
         time.sleep(3)  # the proxy's 1 s health probe sees it down
-    deadline = time.monotonic() + 300
     with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
-        while True:
-            engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
-            if engines["decode-0"]["healthy"] and not engines["decode-0"]["warming"]:
-                break
-            assert time.monotonic() < deadline, f"decode not back: {tiny_stack.output()[-2000:]}"
-            time.sleep(0.5)
+        wait_back(tiny_stack, client, "decode-0")
         pid = tiny_stack.engine_pid("decode")
         assert pid != killed and os.path.exists(f"/proc/{pid}"), "a new decode process"
         assert client.get(tiny_stack.proxy_url + "/health").status_code == 200

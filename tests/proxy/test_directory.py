@@ -130,6 +130,26 @@ async def test_no_other_decode_means_a_clear_502(prefill, decode):
         assert r.json()["error"]["message"] == "the decode engine is unreachable"
 
 
+async def stream_held_on_decode_1(c: httpx.AsyncClient, proxy, decode: FakeEngine,
+                                  decode_b: FakeEngine) -> tuple[asyncio.Task, asyncio.Task]:
+    """Scale to two decodes, then one stream on each: decode-0's held before it answers (so
+    decode-1 gets the next), decode-1's after two frames. Returns (decode-0's, decode-1's)."""
+    pool = proxy.state.pool
+    r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+    assert r.status_code == 200 and r.json()["added"] == ["decode-1"], r.text
+    await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                     "decode-1 up")
+    decode.decode_gate = asyncio.Event()
+    busy = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                      json=dict(BODY, stream=True), timeout=30))
+    await decode.wait_for_requests(1)
+    decode_b.decode_gate, decode_b.decode_gate_after_frames = asyncio.Event(), 2
+    held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                      json=dict(BODY, stream=True), timeout=30))
+    await decode_b.wait_for_requests(1)
+    return busy, held
+
+
 async def test_scale_down_drains_in_flight_then_removes(prefill, decode, decode_b):
     directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
     scaler = RecordingScaler(directory, [info("decode-1", decode_b)])
@@ -138,20 +158,8 @@ async def test_scale_down_drains_in_flight_then_removes(prefill, decode, decode_
     async with live_proxy(config, directory=directory, scaler=scaler) as proxy, \
             httpx.AsyncClient(headers=auth) as c:
         pool = proxy.state.pool
-        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
-        assert r.status_code == 200 and r.json()["added"] == ["decode-1"], r.text
-        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
-                         "decode-1 up")
-
         # A stream held on decode-1 while it is scaled away: it must finish, not be dropped.
-        decode.decode_gate = asyncio.Event()  # keep decode-0 busy so decode-1 gets the stream
-        busy = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode.wait_for_requests(1)
-        decode_b.decode_gate, decode_b.decode_gate_after_frames = asyncio.Event(), 2
-        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode_b.wait_for_requests(1)
+        busy, held = await stream_held_on_decode_1(c, proxy, decode, decode_b)
         scaling = asyncio.create_task(c.post(proxy.url + "/pd/admin/scale", timeout=30,
                                              json={"role": "decode", "replicas": 1}))
         await wait_until(lambda: pool.get("decode-1").draining, "decode-1 draining")
@@ -180,18 +188,7 @@ async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
     async with live_proxy(config, directory=directory, scaler=scaler) as proxy, \
             httpx.AsyncClient() as c:
         pool = proxy.state.pool
-        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
-        assert r.status_code == 200, r.text
-        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
-                         "decode-1 up")
-        decode.decode_gate = asyncio.Event()  # keep decode-0 busy so decode-1 gets the stream
-        busy = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode.wait_for_requests(1)
-        decode_b.decode_gate, decode_b.decode_gate_after_frames = asyncio.Event(), 2
-        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode_b.wait_for_requests(1)
+        busy, held = await stream_held_on_decode_1(c, proxy, decode, decode_b)
         decode.decode_gate.set()  # decode-0 free again: the continuation goes there
         r = await c.post(proxy.url + "/pd/admin/scale", timeout=30, json={
             "role": "decode", "replicas": 1, "drain_timeout_s": 0.3})
