@@ -141,11 +141,9 @@ class DecodeLeg:
     async def whole(self) -> bytes:
         """The decode engine's whole (unstreamed) reply; the claim ends with it."""
         stream = await self.open()
-        deadline = self.req.deadline
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + self._deadlines.total_s
+        assert self.req.deadline is not None  # set by Orchestrator.serve
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(self.req.deadline):
                 data = await stream.read_all()
         except TimeoutError:
             raise RequestDeadline("the request did not finish within its deadline") from None
