@@ -93,6 +93,9 @@ class Stack:
     def engine_pids(self) -> set[int]:
         return engine_pids(self.stack_id)
 
+    def engine_process_pids(self) -> set[int]:
+        return engine_process_pids(self.stack_id)
+
     def stop(self, timeout_s: float = 60.0, stop_signal: signal.Signals = signal.SIGTERM
              ) -> list[int]:
         """Signal the pdserve process to stop (it stops its engines); then SIGKILL any engine
@@ -100,7 +103,7 @@ class Stack:
         if self.stopped:
             return self.survivors
         self.stopped = True
-        started = set(self.pgids) | self.engine_pids()
+        started = set(self.pgids) | self.engine_process_pids()
         if self.popen.poll() is None:
             self.popen.send_signal(stop_signal)
             try:
@@ -115,15 +118,16 @@ class Stack:
         # that was starting up): give it a few seconds before calling it a survivor.
         deadline = time.monotonic() + 10
         while True:
-            left = sorted({p for p in started if group_alive(p)} | self.engine_pids())
+            left = sorted({p for p in started if group_alive(p)} | self.engine_process_pids())
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         for pid in left:  # never leave engines behind, even when a test is about to fail
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
+            for kill in (os.killpg, os.kill):  # its group when it leads one, and itself
+                try:
+                    kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
         self.survivors = left
         return left
 
@@ -239,20 +243,33 @@ def http_status(url: str, timeout: float = 2.0, headers: Mapping[str, str] | Non
         return 0
 
 
+API_SERVER = "vllm.entrypoints.openai.api_server"
+
+
 def engine_pids(stack_id: str) -> set[int]:
-    """Live vLLM API server processes carrying ``stack_id`` in their environment."""
+    """Live vLLM API server processes carrying ``stack_id`` in their environment (not the
+    reaper a Ray actor runs each under, ``launch/reaper.py``, whose command line names it)."""
+    return {pid for pid, cmd in _stack_processes(stack_id) if cmd[1:3] == ["-m", API_SERVER]}
+
+
+def engine_process_pids(stack_id: str) -> set[int]:
+    """Every live process of the stack's engines: API servers, their reapers, and vLLM's
+    ``VLLM::EngineCore`` / ``VLLM::Worker`` children, which can outlive their API server."""
+    return {pid for pid, cmd in _stack_processes(stack_id)
+            if API_SERVER in cmd or (cmd and cmd[0].startswith("VLLM::"))}
+
+
+def _stack_processes(stack_id: str) -> list[tuple[int, list[str]]]:
     import psutil
 
-    pids = set()
+    found = []
     for p in psutil.process_iter(["cmdline"]):
-        if "vllm.entrypoints.openai.api_server" not in (p.info["cmdline"] or []):
-            continue
         try:
             if p.environ().get(STACK_ENV) == stack_id and p.status() != psutil.STATUS_ZOMBIE:
-                pids.add(p.pid)
+                found.append((p.pid, p.info["cmdline"] or []))
         except psutil.Error:
             continue
-    return pids
+    return found
 
 
 def group_alive(pgid: int) -> bool:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch import reaper
 from launch.engines import EngineSpec, engine_argv, engine_env
 from launch.isolation import confine, parse_cores
 
@@ -122,22 +123,20 @@ class EngineProcess:
             return False
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM me when my parent dies (Linux), so an engine never
-    outlives a Ray actor that was killed outright. vLLM's server stops its workers on SIGTERM."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _child_setup(cores: frozenset[int] | None, die_with_parent: bool) -> None:
     """In the child, before exec: its cores (inherited by every process and thread the engine
-    starts, ``launch/isolation.py``), and death with its parent when asked."""
+    starts, ``launch/isolation.py``), and SIGTERM when its parent dies, when asked."""
     if die_with_parent:
-        _die_with_parent()
+        reaper.die_with_parent()
     if cores:
         confine(cores)
+
+
+def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
+    """The engine's command line; one that must die with its parent runs under
+    ``launch/reaper.py``, which takes the engine's own children (vLLM's engine core) with it."""
+    argv = engine_argv(spec)
+    return [sys.executable, "-m", reaper.__name__, "--", *argv] if die_with_parent else argv
 
 
 def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
@@ -151,7 +150,7 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
                        f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
         log_file.flush()
     popen = subprocess.Popen(
-        engine_argv(spec),
+        launch_argv(spec, die_with_parent),
         env=engine_env(spec),
         stdout=log_file,
         stderr=subprocess.STDOUT,

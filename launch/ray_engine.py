@@ -4,7 +4,8 @@ The actor starts the engine as a child process group on its node (the same comma
 mode, ``launch/engines.py``), bound to the node's routable address, on ports it reserves on that
 node. A watchdog thread ends the actor the moment the engine process exits, so Ray restarts the
 actor (``max_restarts``) and with it a fresh engine; the proxy sees the engine's url change and
-treats it as a new engine. The engine is SIGTERMed if the actor process dies outright.
+treats it as a new engine. An actor that dies outright takes its engine with it, engine core
+included (``launch/reaper.py``).
 
 Nothing here imports Ray at module level except through :func:`engine_host_class`, so the
 module is importable (and unit-testable) without a cluster.

@@ -28,7 +28,7 @@ from harness.engine_io import (
 from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
-from harness.stack import ROOT
+from harness.stack import ROOT, STACK_ENV
 from launch.engines import private_socket_dir
 from tests.trace_checks import assert_one_pd_trace
 
@@ -430,3 +430,52 @@ def test_zzzzz_scale_down_past_its_drain_timeout_moves_the_streams(ray_stack):
     assert migrated >= 1, f"no stream of {newest} ({url}) was continued"
     assert sorted(decodes(ray_stack)) == ["decode-0"]
 
+
+
+def test_zzzzzz_pdserve_ray_exits_when_its_cluster_is_gone(ray_stack):
+    """The head lost (its GCS server and raylet killed): ``pdserve ray`` notices within a few
+    seconds and exits, and no process of any engine outlives it: the actors die with their
+    raylet, each engine's reaper with its actor, and the reaper takes the API server and vLLM's
+    engine core with it (``launch/reaper.py``; the core used to survive). Runs last: it ends
+    the package's stack."""
+    cluster = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "gcs_server" not in cmd and "raylet" not in cmd:
+            continue
+        try:
+            if p.environ().get(STACK_ENV) == ray_stack.stack_id:
+                cluster.append(p)
+        except psutil.Error:
+            continue
+    assert any("gcs_server" in " ".join(p.cmdline()) for p in cluster), cluster
+    servers, engines = ray_stack.engine_pids(), ray_stack.engine_process_pids()
+    cores = [pid for pid in engines
+             if psutil.Process(pid).cmdline()[0].startswith("VLLM::EngineCore")]
+    assert len(servers) >= 2 and len(cores) == len(servers), describe(engines)
+    t0 = time.monotonic()
+    for p in cluster:
+        p.kill()
+    ray_stack.popen.wait(120)
+    exited_after = time.monotonic() - t0
+    print(f"pdserve ray exited {exited_after:.1f}s after its cluster was killed")
+    # Three missed looks 2 s apart, then at most 10 s of shutdown (it used to hang in a Ray
+    # call on the lost GCS until Ray's own 60 s abort).
+    assert exited_after < 30, exited_after
+    deadline = time.monotonic() + 60
+    while left := ray_stack.engine_process_pids():
+        assert time.monotonic() < deadline, (
+            f"engine processes outlive the cluster: {describe(left)}")
+        time.sleep(1)
+    print(f"every engine process gone {time.monotonic() - t0:.1f}s after the cluster")
+    assert "the Ray cluster is gone" in ray_stack.output()
+
+
+def describe(pids) -> list[str]:
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:80]}")
+        except psutil.Error:
+            continue
+    return out
