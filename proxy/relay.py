@@ -47,7 +47,10 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
             raise EngineUnreachable("decode stream ended without [DONE]")
     except TimeoutError:  # the request's own deadline (the engine's silence is EngineTimeout)
         metrics.stream_errors_total.labels("deadline").inc()
-        yield RequestDeadline("the request did not finish within its deadline")
+        late = RequestDeadline("the request did not finish within its deadline")
+        if leg.req.spans is not None:  # the trace says so, as for a stream given up
+            leg.req.spans.failed(late.status, late.type)
+        yield late
     except (EngineUnreachable, EngineTimeout) as exc:
         lost = isinstance(exc, EngineUnreachable)
         if lost:

@@ -122,3 +122,22 @@ async def test_a_failed_request_says_so_on_its_root(prefill: FakeEngine, decode:
     assert root.attributes["pd.status"] == (502 if stream else resp.status_code)
     assert "pd.status" not in spans["admission"][0].attributes  # the request's, not the stage's
     assert spans["admission"][0].attributes["pd.decode"] == "decode-0"
+
+
+async def test_a_stream_ended_by_its_deadline_says_so_on_its_root(prefill: FakeEngine,
+                                                                  decode: FakeEngine) -> None:
+    """Streaming when the whole request's deadline passes: an in-band timeout, and the trace's
+    root is an error with the timeout's status (it was left unmarked, as if it had ended
+    well)."""
+    exported = InMemorySpanExporter()
+    decode.stream_tokens = tuple(f" t{i}" for i in range(40))
+    decode.decode_frame_interval_s = 0.05  # 2 s for the whole answer; the deadline is 0.5 s
+    async with traced(prefill, decode, exported, policy="disaggregate",
+                      headers_deadline_s=0.4, total_deadline_s=0.5) as client:
+        resp = await client.post(CHAT_PATH, json=chat(max_tokens=40),
+                                 headers={"x-request-id": "late"})
+        assert resp.status_code == 200 and b"timeout_error" in resp.content
+    (root,) = of_request(exported, "late")["pdserve.request"]
+    assert root.status.status_code == StatusCode.ERROR
+    assert root.attributes["pd.status"] == 504
+    assert root.attributes["pd.error_type"] == "timeout_error"
