@@ -123,11 +123,11 @@ class EngineProcess:
             return False
 
 
-def _child_setup(cores: frozenset[int] | None, die_with_parent: bool) -> None:
+def _child_setup(cores: frozenset[int] | None, parent: int | None) -> None:
     """In the child, before exec: its cores (inherited by every process and thread the engine
-    starts, ``launch/isolation.py``), and SIGTERM when its parent dies, when asked."""
-    if die_with_parent:
-        reaper.die_with_parent()
+    starts, ``launch/isolation.py``), and SIGTERM when ``parent`` (when given) dies."""
+    if parent is not None:
+        reaper.die_with_parent(parent)
     if cores:
         confine(cores)
 
@@ -144,6 +144,7 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
+    parent = os.getpid() if die_with_parent else None
     log_file = open(log_path, "ab" if append_log else "wb")
     if append_log:
         log_file.write(f"\n===== pdserve: {spec.role} engine restarted at "
@@ -164,7 +165,7 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
         # own teardown was tested with.
         start_new_session=die_with_parent,
         process_group=None if die_with_parent else 0,
-        preexec_fn=lambda: _child_setup(cores, die_with_parent),
+        preexec_fn=lambda: _child_setup(cores, parent),
     )
     log_file.close()
     return EngineProcess(spec, popen, log_path)

@@ -43,9 +43,13 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """``sig`` to this process when the thread that started it ends (Linux); kept across exec."""
+def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> None:
+    """``sig`` to this process when the thread that started it ends (Linux); kept across exec.
+    ``parent``: the pid that started it, when known; if it is already gone (it died between
+    the fork and this call, so the signal will never come), exit at once."""
     _prctl(PR_SET_PDEATHSIG, sig)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def descendants() -> list[int]:
@@ -104,22 +108,26 @@ def run(argv: Sequence[str], stop_grace_s: float = STOP_GRACE_S, grace_s: float 
     def on_stop(signum, frame) -> None:
         if not stop_at:
             stop_at.append(time.monotonic())
-        if child is not None:
+        if child is not None and child.returncode is None:  # never a pid already reaped
             _signal_all([child.pid], signum)
 
     for sig in _STOP_SIGNALS:
         signal.signal(sig, on_stop)
-    child = subprocess.Popen(list(argv), preexec_fn=die_with_parent)
+    me = os.getpid()
+    child = subprocess.Popen(list(argv), preexec_fn=lambda: die_with_parent(me))
     if stop_at:  # stopped while it was being started
         _signal_all([child.pid], signal.SIGTERM)
-    status = None
-    while status is None:
+    while child.returncode is None:
+        # Stop signals held while the child is reaped, so none lands on a reaped (reusable) pid.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         status = _reap().get(child.pid)
-        if status is None:
+        if status is not None:
+            child.returncode = _exit_code(status)  # reaped here, not by Popen
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        if child.returncode is None:
             if stop_at and time.monotonic() - stop_at[0] > stop_grace_s:
                 _signal_all([child.pid], signal.SIGKILL)
             time.sleep(_POLL_S)
-    child.returncode = _exit_code(status)  # reaped here, not by Popen
     left = descendants()
     _signal_all(left, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -127,11 +135,12 @@ def run(argv: Sequence[str], stop_grace_s: float = STOP_GRACE_S, grace_s: float 
         time.sleep(_POLL_S)
         _reap()
         left = descendants()
-    _signal_all(left, signal.SIGKILL)
     deadline = time.monotonic() + grace_s  # SIGKILLed; only a process stuck in the kernel stays
-    while descendants() and time.monotonic() < deadline:
+    while left and time.monotonic() < deadline:
+        _signal_all(left, signal.SIGKILL)  # each pass: one forked since the last look too
         time.sleep(_POLL_S / 4)
         _reap()
+        left = descendants()
     _reap()
     return child.returncode
 

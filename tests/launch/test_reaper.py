@@ -47,12 +47,13 @@ def reaper_under(tmp_path: Path, mode: str, *, grace_s: float = 0.5, stop_grace_
     reaper = (f"import sys; from launch.reaper import run; sys.exit(run({command!r}, "
               f"grace_s={grace_s}, stop_grace_s={stop_grace_s}))")
     if parent_exits:  # the parent starts the reaper the way start_engine does, then dies outright
-        parent = ("import subprocess, sys, time, os; from launch.reaper import die_with_parent; "
+        # It exits when its stdin closes (``parent.stdin.close()``), whatever the box's speed.
+        parent = ("import subprocess, sys, os; from launch.reaper import die_with_parent; "
                   f"p = subprocess.Popen([sys.executable, '-c', {reaper!r}], "
-                  "start_new_session=True, preexec_fn=die_with_parent); "
-                  "print(p.pid, flush=True); time.sleep(float(sys.argv[1])); os._exit(9)")
-        proc = subprocess.Popen([sys.executable, "-c", parent, "3"], stdout=subprocess.PIPE,
-                                text=True)
+                  "start_new_session=True, preexec_fn=lambda: die_with_parent(os.getppid())); "
+                  "print(p.pid, flush=True); sys.stdin.read(); os._exit(9)")
+        proc = subprocess.Popen([sys.executable, "-c", parent], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
     else:
         proc = subprocess.Popen([sys.executable, "-c", reaper], start_new_session=True)
     deadline = time.monotonic() + 30
@@ -121,6 +122,7 @@ def test_the_reapers_parent_killed_outright_takes_everything_with_it(tmp_path, _
     parent, pids = reaper_under(tmp_path, "sleep", parent_exits=True)
     reaper_pid = int(parent.stdout.readline())
     _no_leftovers.extend([reaper_pid, *pids])
+    parent.stdin.close()
     assert parent.wait(15) == 9
     assert wait_gone([reaper_pid, *pids], 15) == []
 
@@ -131,6 +133,14 @@ def test_only_an_engine_that_dies_with_its_parent_runs_under_the_reaper():
     reaped = launch_argv(spec, die_with_parent=True)
     assert reaped == [sys.executable, "-m", "launch.reaper", "--", *direct]
     assert direct[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+
+
+def test_a_child_whose_parent_is_already_gone_exits_instead_of_waiting_for_a_signal():
+    """The parent died between the fork and the prctl: the death signal will never come."""
+    out = subprocess.run([sys.executable, "-c", "from launch.reaper import die_with_parent; "
+                          "die_with_parent(parent=1); print('still here')"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "still here" not in out.stdout
 
 
 def test_die_with_parent_sets_the_death_signal():
