@@ -47,7 +47,7 @@ def test_sharing_names_engines_on_the_same_core():
 def test_a_confined_tree_stays_and_a_wanderer_is_put_back():
     core = frozenset({1})
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: _child_setup(core, False))
+                            preexec_fn=lambda: _child_setup(core, None))
     try:
         wanderer = int(proc.stdout.readline())
         deadline = time.monotonic() + 10
