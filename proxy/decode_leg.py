@@ -5,8 +5,8 @@ A :class:`DecodeLeg` holds the request's claim on its decode engine from the pla
 one place it is released: :meth:`whole` (a reply read in full), :func:`proxy.relay.relay` (a
 stream, when it ends however it ends), or the orchestrator when the request fails before either
 (``claim.release`` is idempotent). Call order: ``open()`` once, then ``whole()`` or the relay;
-``first_byte(now)`` when the client has its first bytes; ``release_blocks()`` only for a client
-that left after its prefill but before the decode engine answered.
+``first_byte(now)`` when the client has its first bytes; ``release_blocks()`` only for a decode
+request given up after its prefill but before the decode engine answered.
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ class DecodeLeg:
                     self._recompute_instead(exc.delivered)
             except EngineTimeout:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
+                if self.handoff is not None:
+                    # Resumed, the engine may drop the request before vLLM's serving layer sees
+                    # its hand-off (then nothing frees the prefill's blocks before the lease).
+                    self.release_blocks()
                 raise StageTimeout("the decode engine did not answer in time") from None
         self.answered = True
         if stream.status != 200:
@@ -241,12 +245,14 @@ class DecodeLeg:
                 self.req.spans.annotate(route=self.route, decode=self.decode.name)
 
     def release_blocks(self) -> None:
-        """The client left after prefill, before decode answered: the decode request, if it got
-        out, is aborted, maybe before its engine took it. The prefill engine then holds the
-        blocks until its lease expires unless a decode reads them: read them now (one token),
-        in the background."""
+        """The decode request was given up before its engine answered (the client left, or the
+        engine missed the headers deadline): it is aborted, maybe before vLLM took its
+        hand-off. The prefill engine then holds the blocks until its lease expires unless a
+        decode reads them: read them (one token) in the background, on the same engine (another
+        could read them while this one, resumed, reads them too: its prefix cache would then
+        hold blocks the prefill has reused), for as long as the hand-off can still be read."""
         body, client, request_id = release_body(self.body), self.decode.client, self.req.request_id
-        timeout_s = self._deadlines.headers_s
+        timeout_s = max(self.read_by - time.time(), 1.0)
 
         async def run() -> None:
             try:

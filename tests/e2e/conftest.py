@@ -21,9 +21,13 @@ STAGE_DEADLINES = ["--prefill-deadline-s", str(PREFILL_DEADLINE_S),
 
 @pytest.fixture(scope="package")
 def tiny_stack(tmp_path_factory) -> Stack:
+    """`pdserve dev` on the tiny model, always disaggregating. No link reprobes: the policy
+    reads no link estimate, and a probe in flight when a test kills an engine adds its own
+    fallback to the counts the test checks (seen: `test_prefill_down_serves_local` counted
+    two `prefill_unreachable` fallbacks for its one request)."""
     with serving(
         start_dev, model="tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
-        extra=["--policy", "disaggregate", "--kv-events-base-port", "15700",
+        extra=["--policy", "disaggregate", "--reprobe-s", "0", "--kv-events-base-port", "15700",
                "--kv-cache-gib", "1", *STAGE_DEADLINES], **TINY_PORTS,
     ) as stack:
         yield stack

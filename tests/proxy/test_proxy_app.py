@@ -369,16 +369,23 @@ async def test_decode_stall_mid_stream_ends_with_in_band_timeout(
 async def test_decode_never_answers_is_a_504(
     prefill: FakeEngine, decode: FakeEngine, stream: bool
 ) -> None:
-    decode.decode_gate = asyncio.Event()
+    decode.decode_gate = gate = asyncio.Event()
     async with proxy(prefill, decode, headers_deadline_s=SHORT_S) as client:
         resp = await client.post(CHAT_PATH, json=chat_body(stream=stream),
                                  headers={"x-request-id": "req-504"})
-        # The stalled request is closed at once (not when the proxy shuts down).
+        # The stalled request is closed at once (not when the proxy shuts down) and not
+        # retried; in its place a one-token read of the hand-off frees the prefill's blocks
+        # once the engine answers (vLLM may drop the closed request before it sees them).
         await asyncio.wait_for(decode.decode_aborted.wait(), SETTLE_S)
+        await asyncio.wait_for(decode.wait_for_requests(2), SETTLE_S)
         assert decode.decode_aborts == 1
+        original, release = decode.decode_requests
+        assert release.body["max_tokens"] == 1 and release.body["stream"] is False
+        assert release.body["kv_transfer_params"] == original.body["kv_transfer_params"]
+        gate.set()
     assert_error(resp, 504, "timeout_error")
     assert resp.headers["x-request-id"] == "req-504"
-    assert len(decode.decode_requests) == 1
+    assert len(decode.decode_requests) == 2
 
 
 # --- requests refused at the edge -------------------------------------------------------------
