@@ -23,7 +23,14 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.common import ROOT, exit_on_sigterm, log, save_results, summarize
+from benchmarks.common import (
+    ROOT,
+    exit_on_sigterm,
+    log,
+    save_results,
+    summarize,
+    wait_ports_free,
+)
 from benchmarks.proxy_overhead import cpu_seconds, direct_pd_arm, stream_arm
 from harness.stack import http_status
 
@@ -56,6 +63,8 @@ def serve(tree: Path, port: int, engine: str, log_dir: Path, name: str,
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = ROOT / ".pdserve" / "bench-proxy-ab"
     log_dir.mkdir(parents=True, exist_ok=True)
+    # A proxy left on a port would answer for ours (and be measured as this tree).
+    await wait_ports_free([args.fake_port, args.port, args.port + 1])
     fake = subprocess.Popen([sys.executable, "-m", "benchmarks.proxy_overhead", "--serve", "fake",
                              "--port", str(args.fake_port)], cwd=ROOT,
                             stdout=open(log_dir / "fake.log", "wb"), stderr=subprocess.STDOUT)

@@ -4,7 +4,8 @@
 (``app.state.pd``) and stops it. Each route: authenticate (one wrapper, :func:`_guarded`),
 parse and validate (``requests.py``, ``admin.py``: 4xx before any engine is touched), call the
 service, and render (``render.py``, the one place results become HTTP). The two completion
-routes come first in the route table: they are the hot path.
+routes are the hot path: ``POST`` on them is served ahead of Starlette's middleware and router
+(``hot_paths.py``), with the same answers.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamError,
 )
+from proxy.hot_paths import HotPaths, hot_route
 from proxy.orchestrator import Stream
 from proxy.render import error_response, render
 from proxy.requests import (
@@ -250,7 +252,8 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         return response
 
     routes = [
-        # The hot path first: the router matches routes in order.
+        # The completion routes: POST is served ahead of the router (hot_paths.py); other
+        # methods meet it here (405).
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
@@ -269,9 +272,11 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
                   exc_info=exc)
         return error_response(InternalError("internal error while serving the request"))
 
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={StarletteHTTPException: route_error,
-                                         Exception: internal_error})
+    hot = {"/v1/chat/completions": hot_route(chat_completions, internal_error),
+           "/v1/completions": hot_route(completions, internal_error)}
+    return HotPaths(hot, routes=routes, lifespan=lifespan,
+                    exception_handlers={StarletteHTTPException: route_error,
+                                        Exception: internal_error})
 
 
 def check_prompt_fits(config: ProxyConfig, service: ProxyService, body: dict[str, Any]) -> None:

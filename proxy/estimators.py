@@ -190,6 +190,9 @@ class StepFit:
         self._every = refit_every
         self._fitted: tuple[np.ndarray, tuple[bool, ...]] | None = None
         self._since_fit = 0
+        #: The last :meth:`model` answer and its prior (the plan asks for it on every request;
+        #: it changes only at a refit).
+        self._model: tuple[StepModel, StepModel] | None = None
 
     @property
     def n_samples(self) -> int:
@@ -212,10 +215,14 @@ class StepFit:
         whole prior until ``min_samples`` samples)."""
         if self._fitted is None:
             return prior
+        if self._model is not None and self._model[0] == prior:
+            return self._model[1]
         coef, free = self._fitted
         prior_coef = (prior.fixed_s, prior.prefill_s, prior.stream_s, prior.kv_in_s)
-        c = [coef[i] if free[i] else prior_coef[i] for i in range(4)]
-        return StepModel(fixed_s=c[0], prefill_s=c[1], stream_s=c[2], kv_in_s=c[3])
+        c = [float(coef[i]) if free[i] else prior_coef[i] for i in range(4)]
+        model = StepModel(fixed_s=c[0], prefill_s=c[1], stream_s=c[2], kv_in_s=c[3])
+        self._model = (prior, model)
+        return model
 
     def _refit(self) -> None:
         self._since_fit = 0
@@ -235,3 +242,4 @@ class StepFit:
             sub = _nonneg_lstsq(x[keep][:, cols] * w[keep][:, None], y[keep] * w[keep])
         coef[cols] = sub
         self._fitted = (coef, free)
+        self._model = None

@@ -70,3 +70,88 @@ async def test_a_shutdown_cancel_is_not_mistaken_for_a_hang_up() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# --- the SSE response (proxy/render.py's EventStream) ---------------------------------------
+
+
+class Chunks:
+    """An SSE body that yields ``n`` events then waits; records whether it was closed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.closed = False
+
+    async def gen(self):
+        try:
+            for i in range(self.n):
+                yield b"data: %d\n\n" % i
+            await asyncio.Event().wait()
+        finally:
+            self.closed = True
+
+
+async def test_an_event_stream_is_written_whole_in_the_routes_task() -> None:
+    from proxy.render import EventStream
+
+    sent: list[dict] = []
+
+    async def gen():
+        yield b"data: a\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await EventStream(gen(), {"x-pd-route": "local"})({"type": "http"}, FakeRequest().receive,
+                                                       send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert (b"x-pd-route", b"local") in sent[0]["headers"]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    assert [m.get("body") for m in sent[1:]] == [b"data: a\n\n", b"data: [DONE]\n\n", b""]
+    assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
+
+
+@pytest.mark.parametrize("where", ["waiting_for_the_engine", "sending_a_chunk"])
+async def test_a_hang_up_ends_an_event_stream_and_closes_its_chunks(where: str) -> None:
+    """Whether the client leaves while the stream waits for the engine or while a chunk is
+    being written, the response returns (no error: the client is gone) and the chunks'
+    generator is closed at once (closing it closes the decode request: vLLM aborts it)."""
+    from proxy.render import EventStream
+
+    request = FakeRequest()
+    chunks = Chunks(n=1)
+    sending_blocks = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        if where == "sending_a_chunk" and message.get("body"):
+            sending_blocks.set()
+            await asyncio.Event().wait()  # a client that stopped reading
+
+    task = asyncio.create_task(EventStream(chunks.gen(), {})({"type": "http"},
+                                                             request.receive, send))
+    if where == "sending_a_chunk":
+        await asyncio.wait_for(sending_blocks.wait(), 5)
+    else:
+        await asyncio.sleep(0.05)
+    assert not chunks.closed
+    request.hang_up()
+    await asyncio.wait_for(task, 5)
+    assert chunks.closed
+
+
+async def test_an_event_stream_cancelled_for_another_reason_stays_cancelled() -> None:
+    from proxy.render import EventStream
+
+    chunks = Chunks(n=0)
+
+    async def send(message: dict) -> None:
+        pass
+
+    task = asyncio.create_task(EventStream(chunks.gen(), {})({"type": "http"},
+                                                             FakeRequest().receive, send))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert chunks.closed

@@ -448,6 +448,25 @@ async def test_unknown_route_and_wrong_method_get_openai_errors(
     assert not prefill.completion_requests and not decode.completion_requests
 
 
+async def test_a_bug_on_the_completion_path_is_an_openai_500_without_a_traceback(
+    prefill: FakeEngine, decode: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion routes are served ahead of Starlette's error middleware
+    (``proxy/app.py``'s ``_Proxy``): what escapes them still becomes the OpenAI-style 500."""
+    from proxy import app as app_module
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "check_request", broken)
+    async with proxy(prefill, decode) as client:
+        for path, body in BODIES.items():
+            resp = await client.post(path, json=body())
+            assert_error(resp, 500, "internal_error")
+            assert "a bug" not in resp.text
+    assert not prefill.completion_requests and not decode.completion_requests
+
+
 # --- auth, models, health ---------------------------------------------------------------------
 
 
