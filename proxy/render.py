@@ -5,7 +5,7 @@ is an OpenAI-style error body with its status (``errors.error_json``)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -27,22 +27,25 @@ def render(result: Reply | Stream, on_end: Callable[[], None] | None = None) -> 
     if isinstance(result, Reply):
         return Response(result.body, status_code=result.status, media_type="application/json",
                         headers=result.headers)
-    return EventStream(sse(result.chunks, on_end), result.headers)
+    return EventStream(result.chunks, result.headers, on_end)
 
 
 class EventStream(Response):
-    """An SSE response from an async iterator of bytes, ended by the client hanging up.
+    """A Stream's SSE response: its chunks written as they come (a ProxyError as its in-band
+    error event), ended by the stream's end or by the client hanging up.
 
     Starlette's ``StreamingResponse`` does the same with an anyio task group of two tasks per
     response (uvicorn speaks ASGI 2.3, so it must listen for the disconnect itself); here the
     stream is written from the route's own task, and one watcher task cancels it when the
-    client leaves: the cancellation closes the chunks' generators, and so the decode request
-    (vLLM aborts it)."""
+    client leaves. However the writing ends, the chunks are closed at once (closing the decode
+    request: vLLM aborts it), then ``on_end`` runs."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, chunks: AsyncGenerator[bytes, None], headers: dict[str, str]):
-        self.body_iterator = chunks
+    def __init__(self, chunks: AsyncIterator[bytes | ProxyError], headers: dict[str, str],
+                 on_end: Callable[[], None] | None = None):
+        self.chunks = chunks
+        self.on_end = on_end
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -63,26 +66,19 @@ class EventStream(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            async for item in self.chunks:
+                body = error_sse(item) if isinstance(item, ProxyError) else item
+                await send({"type": "http.response.body", "body": body, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not (gone and current.uncancel() == 0):
                 raise  # cancelled for another reason (shutdown): not ours to swallow
         finally:
             watcher.cancel()
-            await self.body_iterator.aclose()  # whatever ended the writing (the client gone
-            # while a chunk was being sent included), the engine's stream is closed now
-
-
-async def sse(chunks: AsyncIterator[bytes | ProxyError], on_end: Callable[[], None] | None
-              ) -> AsyncGenerator[bytes, None]:
-    try:
-        async for item in chunks:
-            yield error_sse(item) if isinstance(item, ProxyError) else item
-    finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        if on_end is not None:
-            on_end()
+            aclose = getattr(self.chunks, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_end is not None:
+                    self.on_end()

@@ -4,6 +4,7 @@ becomes ClientGone; any other cancellation (server shutdown) stays a cancellatio
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -103,8 +104,10 @@ async def test_an_event_stream_is_written_whole_in_the_routes_task() -> None:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    await EventStream(gen(), {"x-pd-route": "local"})({"type": "http"}, FakeRequest().receive,
-                                                       send)
+    ended = []
+    await EventStream(gen(), {"x-pd-route": "local"}, on_end=lambda: ended.append(1))(
+        {"type": "http"}, FakeRequest().receive, send)
+    assert ended == [1]
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
     assert (b"x-pd-route", b"local") in sent[0]["headers"]
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
@@ -128,8 +131,9 @@ async def test_a_hang_up_ends_an_event_stream_and_closes_its_chunks(where: str) 
             sending_blocks.set()
             await asyncio.Event().wait()  # a client that stopped reading
 
-    task = asyncio.create_task(EventStream(chunks.gen(), {})({"type": "http"},
-                                                             request.receive, send))
+    ended = []
+    task = asyncio.create_task(EventStream(chunks.gen(), {}, lambda: ended.append(1))(
+        {"type": "http"}, request.receive, send))
     if where == "sending_a_chunk":
         await asyncio.wait_for(sending_blocks.wait(), 5)
     else:
@@ -137,7 +141,7 @@ async def test_a_hang_up_ends_an_event_stream_and_closes_its_chunks(where: str) 
     assert not chunks.closed
     request.hang_up()
     await asyncio.wait_for(task, 5)
-    assert chunks.closed
+    assert chunks.closed and ended == [1]
 
 
 async def test_an_event_stream_cancelled_for_another_reason_stays_cancelled() -> None:
@@ -155,3 +159,22 @@ async def test_an_event_stream_cancelled_for_another_reason_stays_cancelled() ->
     with pytest.raises(asyncio.CancelledError):
         await task
     assert chunks.closed
+
+
+async def test_an_event_stream_sends_a_failure_as_its_in_band_error_event() -> None:
+    from proxy.errors import DecodeLost
+    from proxy.render import EventStream
+
+    async def gen():
+        yield b"data: a\n\n"
+        yield DecodeLost("the decode engine failed mid-stream", engine="decode-0")
+
+    bodies: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        bodies.append(message.get("body", b""))
+
+    await EventStream(gen(), {})({"type": "http"}, FakeRequest().receive, send)
+    error = json.loads(bodies[2].split(b"data: ")[1].split(b"\n\n")[0])
+    assert error["error"]["type"] == "upstream_error" and bodies[-1] == b""
+    assert b"data: [DONE]" in bodies[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.transcript import Transcript
@@ -85,3 +85,98 @@ def test_an_event_that_only_carried_ids_is_dropped_when_the_client_did_not_ask()
                                    "finish_reason": None, "token_ids": [100]}]})
     assert t.feed(only_ids) == b"" and t.output_ids == [100]
     assert Transcript(chat=True, keep_ids=True).feed(only_ids) == only_ids
+
+
+# The quick path (one token of one choice, cut at the byte level) against the whole parse.
+_TEXTS = st.sampled_from(["", "x", " world", 'say "token_ids":[1]}]}', "é\\n", "]}]}"])
+
+
+@st.composite
+def stream_events(draw):
+    chat = draw(st.booleans())
+    rid, created = "chatcmpl-a" if chat else "cmpl-a", 7
+    first = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": created, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}]}
+    if chat:
+        first["prompt_token_ids"] = [1, 2]
+    else:
+        first["choices"] = [{"index": 0, "text": "", "logprobs": None, "finish_reason": None,
+                             "prompt_token_ids": [1, 2], "token_ids": []}]
+    events = [first]
+    for i in range(draw(st.integers(1, 6))):
+        choices = []
+        # Mostly the common shape (one token of one choice), so the quick path is exercised.
+        for c in range(draw(st.sampled_from([1, 1, 1, 2]))):
+            text = draw(_TEXTS)
+            choice: dict = {"index": c}
+            if chat:
+                choice["delta"] = draw(st.sampled_from([{"content": text}] * 3 + [
+                    {}, {"content": None}, {"reasoning_content": text}]))
+            else:
+                choice["text"] = text
+            choice["logprobs"] = None
+            choice["finish_reason"] = draw(st.sampled_from([None] * 4 + ["stop", "length"]))
+            if draw(st.booleans()):
+                choice["stop_reason"] = None
+            choice["token_ids"] = draw(st.lists(st.integers(0, 99999), max_size=3))
+            choices.append(choice)
+        obj = {"id": draw(st.sampled_from([rid] * 5 + ["other"])), "object": first["object"],
+               "created": draw(st.sampled_from([created] * 5 + [8])), "model": "m",
+               "choices": choices}
+        if draw(st.integers(0, 7)) == 0:
+            obj["usage"] = {"prompt_tokens": 2, "completion_tokens": i, "total_tokens": 2 + i}
+        events.append(obj)
+    return chat, b"".join(event(e) for e in events)
+
+
+@settings(max_examples=300)
+@given(stream_events(), st.booleans())
+def test_the_quick_path_sends_and_records_what_the_whole_parse_does(case, keep_ids):
+    chat, stream = case
+    quick = Transcript(chat=chat, keep_ids=keep_ids)
+    whole = Transcript(chat=chat, keep_ids=keep_ids)
+    whole._quick = lambda event: None  # type: ignore[method-assign]
+    got, want = quick.feed(stream), whole.feed(stream)
+    assert [json.loads(e[6:]) for e in got.split(b"\n\n") if e] == [
+        json.loads(e[6:]) for e in want.split(b"\n\n") if e]
+    assert (quick.prompt_ids, quick.output_ids, quick.finished) == (
+        whole.prompt_ids, whole.output_ids, whole.finished)
+    assert quick.prompt_ids == [1, 2]
+    assert (b"prompt_token_ids" in got) == keep_ids
+
+
+def test_a_long_prompts_ids_are_cut_out_raw_and_parsed_only_when_asked_for():
+    """The first event of a stream carries the whole prompt's ids (8,000 here): they are cut
+    out as bytes on the way to the first token, and decoded only for a continuation."""
+    ids = list(range(8000))
+    for chat in (True, False):
+        t = Transcript(chat=chat, keep_ids=False)
+        if chat:
+            first = event({"id": "c", "object": "chat.completion.chunk", "created": 1,
+                           "model": "m", "choices": [{"index": 0, "delta": {"content": ""},
+                                                      "finish_reason": None}],
+                           "prompt_token_ids": ids})
+        else:
+            first = completion(0, "a", prompt=ids)
+        out = t.feed(first)
+        assert b"prompt_token_ids" not in out and len(out) < 300
+        assert t._prompt is None  # not parsed yet
+        assert t.prompt_ids == ids
+
+
+def test_one_token_events_take_the_quick_path():
+    """(The test above cannot fail if the quick path is never taken.)"""
+    t = Transcript(chat=False, keep_ids=False)
+    taken = []
+    quick = t._quick
+
+    def spy(event):
+        out = quick(event)
+        taken.append(out is not None)
+        return out
+
+    t._quick = spy  # type: ignore[method-assign]
+    t.feed(STREAM)
+    assert taken == [True, False, False]  # the middle event (the last finishes; [DONE])
