@@ -10,10 +10,14 @@ Modes: ``auto`` (the cheaper predicted time to first token, from the live cost m
 ``auto`` with targets (the deployment's ``--slo-ttft-ms``/``--slo-itl-ms``, or the request's
 own ``slo``) also weighs the streams decoding on the chosen decode engine: a local prefill
 stalls each of them for its chunked steps, a disaggregated arrival costs them the step that
-takes its KV in (``StepModel``). The routes that meet both targets are kept and the one with
-the most slack taken (local, when the slacks are within ``SLACK_TIE``); when none does, the
-least violation, with the streams' ITL violation counted once per stream (they are many, the
-arrival is one).
+takes its KV in (``StepModel``). Local is taken whenever it meets both targets with the
+fits' own error to spare (``LOCAL_MARGIN``): the prefill is *deflected* onto the decode engine,
+as far as the running streams allow (the rule of "load-aware prefill deflection"). Moving the
+KV then would occupy a second engine and the link for nothing the targets ask for, and the
+prefill engine is what later long prompts queue on. Otherwise the routes that meet both
+targets are kept and the one with the most slack taken (local when the slacks are within
+``SLACK_TIE``); when none does, the least violation, with the streams' ITL violation counted
+once per stream (they are many, the arrival is one).
 
 The decision reads no clock and does no I/O.
 """
@@ -191,12 +195,17 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
 
 #: Slack (a share of the target) within which two routes that meet every target count as equal.
 SLACK_TIE = 0.05
+#: The share of each target a local prefill must leave unused to be taken whenever it meets
+#: them: the prediction accuracy the fits are held to (TTFT within 15 %, the streams' worst
+#: gap within 25 %), so that a prediction that errs by that much still meets the target.
+LOCAL_MARGIN = Targets(ttft_s=0.15, itl_s=0.25)
 
 
 def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | None, ...],
                  gaps: tuple[float | None, ...]) -> tuple[Route, str]:
-    """Keep the routes that meet both targets, take the one with the most slack; when none
-    does, the least violation (the streams' ITL violation counted once per stream)."""
+    """Local when it meets both targets with ``LOCAL_MARGIN`` to spare; else keep the routes
+    that meet both targets and take the one with the most slack; when none does, the least
+    violation (the streams' ITL violation counted once per stream)."""
     routes: list[Route] = ["disaggregated", "local"] if inputs.prefill_available else ["local"]
     index = {"disaggregated": 0, "local": 1}
     streams = inputs.streams
@@ -215,6 +224,9 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
 
     verdicts = {r: judged(r) for r in routes}
     meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
+    if "local" in meeting and len(routes) > 1 and _with_margin(
+            predicted[1] or 0.0, gaps[1], targets):
+        return "local", "slo_local_fits"
     if meeting:
         # Most slack. Slacks within SLACK_TIE of each other are a tie, taken by local: moving
         # the KV would occupy a second engine and the link for nothing the targets ask for
@@ -228,3 +240,12 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
         return best, "slo_protects_streams" if not verdicts[other][1] else "slo_ttft_target"
     best = min(routes, key=lambda r: (verdicts[r][3], predicted[index[r]] or 0.0))
     return best, "slo_least_violation"
+
+
+def _with_margin(ttft: float, gap: float | None, targets: Targets) -> bool:
+    """The route's predictions leave ``LOCAL_MARGIN`` of each target unused."""
+    assert LOCAL_MARGIN.ttft_s is not None and LOCAL_MARGIN.itl_s is not None
+    if targets.ttft_s is not None and ttft > targets.ttft_s * (1 - LOCAL_MARGIN.ttft_s):
+        return False
+    return targets.itl_s is None or gap is None or gap <= targets.itl_s * (
+        1 - LOCAL_MARGIN.itl_s)

@@ -123,7 +123,7 @@ async def test_a_request_still_prefilling_counts_as_a_stream_a_local_prefill_wou
     orch.targets = Targets(ttft_s=10.0, itl_s=0.05)
     long = request(prompt=list(range(100, 500)))  # 400 tokens: one ~0.2 s step at the prior
     alone = (await orch.plan(long)).decision
-    assert (alone.route, alone.reason) == ("local", "slo_most_slack")
+    assert (alone.route, alone.reason) == ("local", "slo_local_fits")
     bound, claim = await planned(orch, request())  # bound for d0, not streaming yet
     assert bound.decode.name == "d0" and costs.tracker("d0").streams == 0
     exposed = (await orch.plan(long)).decision
