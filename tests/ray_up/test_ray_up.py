@@ -147,6 +147,31 @@ def ray_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def ray_down(path: Path) -> subprocess.CompletedProcess:
+    """``ray down``, once more if Ray's own state file was left empty by a race that exists
+    only when the launcher and the head are one machine (as here): the launcher's cluster
+    state file (``/tmp/ray/cluster-<name>.state``) is then also the head autoscaler's, and
+    ``ray down``'s ``ray stop`` on the head can kill the autoscaler while it rewrites the file
+    (open, truncate, write). ``ray down`` then fails reading it (a CI run saw it: 0 bytes,
+    ``JSONDecodeError``). Without the file, Ray rebuilds it from the cluster file. Either
+    way, the files are removed after (the cluster name is per test run)."""
+    from ray.autoscaler._private.local.config import get_lock_path, get_state_path
+
+    name = yaml.safe_load(path.read_text())["cluster_name"]
+    state = Path(get_state_path(name))
+    try:
+        down = ray_cli("down", "-y", str(path), timeout=300)
+        if (down.returncode != 0 and "JSONDecodeError" in down.stderr and state.exists()
+                and state.stat().st_size == 0):
+            print("ray down: Ray's cluster state file was left empty; again without it")
+            state.unlink()
+            down = ray_cli("down", "-y", str(path), timeout=300)
+        return down
+    finally:
+        for leftover in (state, Path(get_lock_path(name))):
+            leftover.unlink(missing_ok=True)
+
+
 def test_ray_up_serves_and_ray_down_cleans_up(sshd, bashrc, tmp_path):
     from openai import OpenAI
 
@@ -170,7 +195,7 @@ def test_ray_up_serves_and_ray_down_cleans_up(sshd, bashrc, tmp_path):
         reply = raw.parse()
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
     finally:
-        down = ray_cli("down", "-y", str(path), timeout=300)
+        down = ray_down(path)
         deadline = time.monotonic() + 180
         while leftovers() and time.monotonic() < deadline:
             time.sleep(2)
