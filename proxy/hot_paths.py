@@ -9,6 +9,7 @@ error middleware would: whatever it raises becomes the error handler's response.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,11 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+log = logging.getLogger(__name__)
+
 
 class HotPaths(Starlette):
     """Starlette, with ``POST`` on the paths of ``hot`` (path: ASGI app) served before its
     middleware stack; every other request, and any other method on those paths, goes through
-    the whole stack (lifespan, 404/405, the other routes)."""
+    the whole stack (lifespan, 404/405, the other routes). Middleware added to the app does
+    not run on the hot paths; under a ``root_path`` they are served through the stack."""
 
     def __init__(self, hot: dict[str, ASGIApp], **kwargs: Any):
         self._hot = hot
@@ -52,6 +56,11 @@ def hot_route(handler: Callable[[Request], Awaitable[Response]],
             response = await handler(request)
         except Exception as exc:
             response = await on_error(request, exc)
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        except Exception:
+            log.exception("unhandled error while answering %s %s", scope["method"],
+                          scope["path"])
+            raise
     return app
 

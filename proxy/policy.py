@@ -225,7 +225,7 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     verdicts = {r: judged(r) for r in routes}
     meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
     if "local" in meeting and len(routes) > 1 and _with_margin(
-            predicted[1] or 0.0, gaps[1], targets):
+            predicted[1] or 0.0, gaps[1], targets, streams):
         return "local", "slo_local_fits"
     if meeting:
         # Most slack. Slacks within SLACK_TIE of each other are a tie, taken by local: moving
@@ -242,10 +242,12 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     return best, "slo_least_violation"
 
 
-def _with_margin(ttft: float, gap: float | None, targets: Targets) -> bool:
-    """The route's predictions leave ``LOCAL_MARGIN`` of each target unused."""
+def _with_margin(ttft: float, gap: float | None, targets: Targets, streams: int) -> bool:
+    """The route's predictions leave ``LOCAL_MARGIN`` of each target set unused. A gap target
+    with streams running but no step model to predict their gap is not known to be met."""
     assert LOCAL_MARGIN.ttft_s is not None and LOCAL_MARGIN.itl_s is not None
     if targets.ttft_s is not None and ttft > targets.ttft_s * (1 - LOCAL_MARGIN.ttft_s):
         return False
-    return targets.itl_s is None or gap is None or gap <= targets.itl_s * (
-        1 - LOCAL_MARGIN.itl_s)
+    if targets.itl_s is None or streams <= 0:
+        return True
+    return gap is not None and gap <= targets.itl_s * (1 - LOCAL_MARGIN.itl_s)

@@ -91,7 +91,10 @@ class Transcript:
     @property
     def prompt_ids(self) -> list[int] | None:
         if self._prompt is None and self._prompt_raw is not None:
-            self._prompt = msgspec.json.decode(self._prompt_raw, type=list[int])
+            try:
+                self._prompt = msgspec.json.decode(self._prompt_raw, type=list[int])
+            except (msgspec.DecodeError, msgspec.ValidationError):  # not ids: none known
+                self._prompt_raw = None
         return self._prompt
 
     def continued(self, as_completion: bool) -> None:

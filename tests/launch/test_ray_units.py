@@ -8,7 +8,13 @@ import sys
 
 from launch.engines import private_socket_dir
 from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
-from launch.ray_mode import actor_resources, otel_runtime_env, resolve_accelerator
+from launch.ray_mode import (
+    PLACEMENT_SHARE,
+    actor_resources,
+    otel_runtime_env,
+    resolve_accelerator,
+    unplaceable,
+)
 from launch.settings import EngineSettings
 
 
@@ -70,3 +76,27 @@ def test_otel_settings_reach_the_actors_only_when_tracing():
         "env_vars": {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}}
     assert otel_runtime_env(environ, EngineSettings()) is None
     assert otel_runtime_env({"HOME": "/root"}, on) is None
+
+
+def test_a_role_placed_by_a_resource_asks_for_a_share_of_it():
+    assert actor_resources("cpu", "pd_prefill") == {
+        "num_cpus": 1, "resources": {"pd_prefill": PLACEMENT_SHARE}}
+    assert actor_resources("gpu", None) == {"num_gpus": 1, "num_cpus": 1}
+
+
+def test_roles_whose_resource_no_node_offers_are_named():
+    placement = {"prefill": "pd_prefill", "decode": "pd_decode"}
+    assert unplaceable(placement, {"CPU": 4.0, "pd_prefill": 100.0}) == ["decode"]
+    assert unplaceable(placement, {"pd_prefill": 1.0, "pd_decode": 1.0}) == []
+    assert unplaceable({}, {}) == []
+
+
+def test_the_cli_takes_a_resource_per_role():
+    import argparse
+
+    from launch.cli import _add_ray
+
+    parser = argparse.ArgumentParser()
+    _add_ray(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["ray", "--prefill-on", "pd_prefill"])
+    assert (args.prefill_on, args.decode_on) == ("pd_prefill", None)

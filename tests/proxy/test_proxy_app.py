@@ -452,7 +452,7 @@ async def test_a_bug_on_the_completion_path_is_an_openai_500_without_a_traceback
     prefill: FakeEngine, decode: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The completion routes are served ahead of Starlette's error middleware
-    (``proxy/app.py``'s ``_Proxy``): what escapes them still becomes the OpenAI-style 500."""
+    (``proxy/hot_paths.py``): what escapes them still becomes the OpenAI-style 500."""
     from proxy import app as app_module
 
     def broken(*args: Any, **kwargs: Any) -> None:

@@ -67,8 +67,12 @@ CASES = [
     ("both miss with one stream: the arrival's TTFT violation weighs more",
      RouteInputs(1000, costs=costs(prefill_queue_s=20.0), streams=1, targets=T),
      "local", "slo_least_violation"),
-    ("no step model yet: gaps unknown, TTFT decides",
+    ("no step model yet, streams running: their gap unknown, so local is not known to fit; "
+     "TTFT slack decides",
      RouteInputs(1000, costs=costs(step=None), streams=4, targets=T), "local",
+     "slo_most_slack"),
+    ("no step model yet, no streams: nothing to stall, local fits",
+     RouteInputs(1000, costs=costs(step=None), streams=0, targets=T), "local",
      "slo_local_fits"),
     ("cached on the prefill engine, local within the TTFT margin only: the most slack",
      RouteInputs(1000, prefill_cached_tokens=800, costs=costs(step=None, link_fixed_s=0.0),

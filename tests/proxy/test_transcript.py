@@ -180,3 +180,12 @@ def test_one_token_events_take_the_quick_path():
     t._quick = spy  # type: ignore[method-assign]
     t.feed(STREAM)
     assert taken == [True, False, False]  # the middle event (the last finishes; [DONE])
+
+
+def test_prompt_ids_that_are_not_ids_are_no_prompt_at_all():
+    """Bytes that pass the cut's byte check but are not a JSON array of ids (``[1,,2]``): no
+    prompt is known, so a continuation is refused, not crashed."""
+    t = Transcript(chat=False, keep_ids=False)
+    bad = completion(0, "a", prompt=[1, 2]).replace(b"[1,2]", b"[1,,2]")
+    t.feed(bad)
+    assert t.prompt_ids is None
