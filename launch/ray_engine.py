@@ -151,6 +151,7 @@ class EngineHost:
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         model_path = str(ensure_model(t.model))
         self.node_ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
         host = t.bind_host or self.node_ip
         self._ports = PortReservation(host, 3)
         self.spec = engine_spec_for_node(t, role, ordinal, host, self._ports.ports,
@@ -194,7 +195,8 @@ class EngineHost:
         return {
             "name": self.name, "role": self.role, "url": self.spec.url,
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
-            "node_ip": self.node_ip, "device": self.spec.device, "dtype": self.spec.dtype,
+            "node_ip": self.node_ip, "node_id": self.node_id, "device": self.spec.device,
+            "dtype": self.spec.dtype,
             "cpu_cores": self.spec.cpu_cores,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
             "restarted": self.restarted, "failed": self.failed,

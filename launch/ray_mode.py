@@ -2,10 +2,11 @@
 
 ``pdserve ray`` connects to a running cluster (``--address auto`` on a ``ray up`` head) or starts
 a local one, places N prefill and M decode :class:`~launch.ray_engine.EngineHost` actors with
-explicit resource requests (one GPU each on GPU clusters, one CPU here), waits for their engines,
-then serves the proxy in this process. The proxy finds engines through Ray (:class:`RayDirectory`
-lists the named actors of the deployment's namespace) and scales them through
-:class:`RayScaler` (``POST /pd/admin/scale``, or ``pdserve scale``).
+explicit resource requests (one GPU each on GPU clusters, one CPU here; with ``--prefill-on`` /
+``--decode-on``, only on the nodes that offer the named Ray custom resource), waits for their
+engines, then serves the proxy in this process. The proxy finds engines through Ray
+(:class:`RayDirectory` lists the named actors of the deployment's namespace) and scales them
+through :class:`RayScaler` (``POST /pd/admin/scale``, or ``pdserve scale``).
 """
 
 from __future__ import annotations
@@ -64,15 +65,37 @@ class RayOptions:
     namespace: str = "pdserve"
     local_num_cpus: int | None = None
     accelerator: str = "auto"  # auto | cpu | gpu
+    #: Role -> a Ray custom resource: that role's engines only on nodes that offer it.
+    placement: Mapping[str, str] = field(default_factory=dict)
     max_restarts: int = -1
     start_timeout_s: float = 900.0
     proxy: ProxySettings = field(default_factory=ProxySettings)
     observability: ObservabilityOptions = field(default_factory=ObservabilityOptions)
 
 
-def actor_resources(accelerator: str) -> dict[str, Any]:
-    """One GPU per engine on GPU clusters; one CPU per engine otherwise."""
-    return {"num_gpus": 1, "num_cpus": 1} if accelerator == "gpu" else {"num_cpus": 1}
+#: What one engine asks of its role's placement resource: a marker, so that any node offering
+#: it (``ray start --resources='{"pd_prefill": 100}'``) takes that role's engines as far as its
+#: CPUs or GPUs allow.
+PLACEMENT_SHARE = 0.01
+#: What a local cluster (one node, this machine) offers of each placement resource named.
+LOCAL_PLACEMENT = 100.0
+
+
+def actor_resources(accelerator: str, node_resource: str | None = None) -> dict[str, Any]:
+    """One GPU per engine on GPU clusters; one CPU per engine otherwise. ``node_resource``:
+    only on the nodes that offer that Ray custom resource."""
+    out: dict[str, Any] = ({"num_gpus": 1, "num_cpus": 1} if accelerator == "gpu"
+                           else {"num_cpus": 1})
+    if node_resource:
+        out["resources"] = {node_resource: PLACEMENT_SHARE}
+    return out
+
+
+def unplaceable(placement: Mapping[str, str], cluster_resources: Mapping[str, float]
+                ) -> list[str]:
+    """The roles whose placement resource no node of the cluster offers (yet)."""
+    return [role for role, resource in sorted(placement.items())
+            if cluster_resources.get(resource, 0.0) < PLACEMENT_SHARE]
 
 
 def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> str:
@@ -85,10 +108,11 @@ class RayScaler:
     """Creates and stops the deployment's engine actors (names ``prefill-N``/``decode-N``)."""
 
     def __init__(self, namespace: str, template: EngineTemplate, accelerator: str,
-                 max_restarts: int):
+                 max_restarts: int, placement: Mapping[str, str] | None = None):
         self._namespace = namespace
         self._template = template.to_dict()
-        self._resources = actor_resources(accelerator)
+        self._resources = {role: actor_resources(accelerator, (placement or {}).get(role))
+                           for role in ("prefill", "decode")}
         self._cls = engine_host_class(max_restarts)
         self.handles: dict[str, Any] = {}
         self._next = {"prefill": 0, "decode": 0}
@@ -100,7 +124,7 @@ class RayScaler:
             self._next[role] += 1
             name = f"{role}-{ordinal}"
             self.handles[name] = self._cls.options(
-                name=name, namespace=self._namespace, **self._resources
+                name=name, namespace=self._namespace, **self._resources[role]
             ).remote(name, role, ordinal, self._template)
             names.append(name)
         return names
@@ -241,18 +265,27 @@ def run_ray(opts: RayOptions) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"connecting to Ray ({opts.address or 'starting a local cluster'}) ...",
           file=sys.stderr, flush=True)
+    local = opts.address is None
     ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
-             num_cpus=opts.local_num_cpus if opts.address is None else None,
+             num_cpus=opts.local_num_cpus if local else None,
+             # One node, this machine: it offers every placement resource named.
+             resources={r: LOCAL_PLACEMENT for r in opts.placement.values()} if local else None,
              log_to_driver=False, configure_logging=False,
              runtime_env=otel_runtime_env(os.environ, opts.template.engines))
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
+    for role in unplaceable(opts.placement, ray.cluster_resources()):
+        resource = opts.placement[role]
+        print(f"warning: no node offers the Ray resource {resource!r} yet: the {role} engines "
+              f"wait for one (a node offers it with ray start --resources="
+              f"'{{\"{resource}\": 100}}')", file=sys.stderr, flush=True)
     key = deployment_key()
     template = replace(opts.template, api_key=key,
                        bind_host=opts.template.bind_host or ("127.0.0.1" if opts.address is None
                                                              else None))
-    scaler = RayScaler(opts.namespace, template, accelerator, opts.max_restarts)
+    scaler = RayScaler(opts.namespace, template, accelerator, opts.max_restarts,
+                       opts.placement)
     observer: Observer | None = None
     try:
         scaler.create("prefill", opts.prefill)
