@@ -99,6 +99,22 @@ def decisions(proxy_url: str) -> dict[str, float]:
             for s in fam.samples if s.name == "pd_decisions_total"}
 
 
+def migration_stages(proxy_url: str) -> dict[str, tuple[float, float]]:
+    """``pd_migration_seconds`` by stage: (sum, count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(proxy_url + "/metrics", timeout=10).text
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "pd_migration_seconds":
+            for s in fam.samples:
+                if s.name.endswith("_sum"):
+                    out.setdefault(s.labels["stage"], [0.0, 0.0])[0] = s.value
+                elif s.name.endswith("_count"):
+                    out.setdefault(s.labels["stage"], [0.0, 0.0])[1] = s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 async def concurrent_prefills(url: str, model: str, tokens: int, seed: int, n: int,
                               headers: dict[str, str]) -> list[float]:
     """``n`` fresh prompts of ``tokens`` sent to the engine at ``url`` at once (max_tokens 1):
@@ -129,24 +145,33 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
     wait_until(lambda: idle(url), "decodes idle", 120)
     victim = decodes(url)["decode-0"]
     pid = listener_pid(victim["url"])
-    t_kill = 0.0
+    t_kill = t_kill_wall = 0.0
 
     def kill() -> None:
         nonlocal t_kill
+        nonlocal t_kill_wall
         os.kill(pid, signal.SIGKILL)
         t_kill = time.perf_counter()
+        t_kill_wall = time.time()
 
     before = proxy_metric(url, "pd_migrations_total", reason="decode_lost")
+    stages_before = migration_stages(url)
     decided = decisions(url)
     killed = streams(kill)
     migrated = int(proxy_metric(url, "pd_migrations_total", reason="decode_lost") - before)
+    # The proxy's own clock: loss seen -> continuation's headers / its first bytes (means).
+    in_proxy = {stage: (s - stages_before.get(stage, (0.0, 0.0))[0])
+                / max(1.0, n - stages_before.get(stage, (0.0, 0.0))[1])
+                for stage, (s, n) in migration_stages(url).items()}
     # The streams' own plans plus the continuations': which route the continuations took.
     routes = {k: v - decided.get(k, 0.0) for k, v in decisions(url).items()
               if v - decided.get(k, 0.0) > 0}
-    across = []
+    across, sides = [], []
     for r in killed:  # the gap that spans the kill (a stream that ended before it: none)
-        spans = [b - a for a, b in zip(r.times, r.times[1:]) if a <= t_kill <= b]
-        across.append(spans[0] if spans else 0.0)
+        spans = [(a, b) for a, b in zip(r.times, r.times[1:]) if a <= t_kill <= b]
+        across.append(spans[0][1] - spans[0][0] if spans else 0.0)
+        # The gap's two sides: last chunk before the kill, first after (seconds from it).
+        sides.append((t_kill - spans[0][0], spans[0][1] - t_kill) if spans else (0.0, 0.0))
     survivor = decodes(url)["decode-1"]["url"]
     prefill = [local_prefill_s(survivor, stack.model_name,
                                args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k,
@@ -166,13 +191,20 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
         "migrated": migrated,
         "gap_across_kill_s": across,
         "migrated_gaps_s": sorted(across, reverse=True)[:migrated],
+        "migrated_gap_sides_s": sorted(sides, key=sum, reverse=True)[:migrated],
+        "kill_wall_time": t_kill_wall,
+        # Mean, per migrated stream, of the proxy's pd_migration_seconds by stage.
+        "proxy_loss_to_resumed_s": in_proxy.get("resumed", 0.0),
+        "proxy_loss_to_first_token_s": in_proxy.get("first_token", 0.0),
         "median_gap_at_rest_s": statistics.median(g for r in reference for g in r.gaps()),
         "local_prefill_of_continuation_s": statistics.median(prefill),
     }
     log(f"run {run}: {out['completed']}/{args.streams} completed, {out['same_text']} same "
         f"text, {migrated} migrated; migrated gaps {[round(g, 3) for g in out['migrated_gaps_s']]}"
         f" s; one local prefill of a continuation {out['local_prefill_of_continuation_s']:.3f} s"
-        f", {migrated} at once {[round(t, 3) for t in together]} s; decisions {routes}")
+        f", {migrated} at once {[round(t, 3) for t in together]} s; in the proxy, loss to "
+        f"headers {out['proxy_loss_to_resumed_s']:.3f} s, to first token "
+        f"{out['proxy_loss_to_first_token_s']:.3f} s; decisions {routes}")
     t0 = time.monotonic()
     wait_until(lambda: (decodes(url).get("decode-0") or {}).get("instance")
                not in (None, victim["instance"]) and decodes(url)["decode-0"]["healthy"],

@@ -54,6 +54,12 @@ class ProxyMetrics:
             "pd_migrations_failed_total", "Mid-answer decode failures not continued elsewhere"
             " (the client got the error), by why not.", ["reason"], registry=r,
         )
+        self.migration_seconds = Histogram(
+            "pd_migration_seconds", "A stream continued on another decode engine: from its"
+            " engine's loss to the continuation's response headers (resumed) and to its first"
+            " relayed bytes (first_token): the extra gap its client saw.",
+            ["stage"], buckets=_LATENCY_BUCKETS_S, registry=r,
+        )
         self.client_disconnects_total = Counter(
             "pd_client_disconnects_total", "Requests whose client went away before the end.",
             ["stage"], registry=r,

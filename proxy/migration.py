@@ -131,6 +131,7 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
     transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
                   if why_not is None else None)
     migrations = 0
+    t_lost = 0.0  # when the engine being continued from was lost (0: not continuing)
     try:
         while True:
             failure: DecodeLost | DecodeStalled | None = None
@@ -143,9 +144,14 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                     continue
                 out = item if transcript is None else transcript.feed(item)
                 if out:
+                    if t_lost:  # the continuation's first bytes: the gap the client saw
+                        metrics.migration_seconds.labels("first_token").observe(
+                            time.perf_counter() - t_lost)
+                        t_lost = 0.0
                     yield out
             if failure is None:
                 return
+            t_lost = time.perf_counter()
             reason = "decode_lost" if isinstance(failure, DecodeLost) else "decode_timeout"
             await _close(chunks)  # the lost leg's cleanup (its claim, its stream) runs now
             left = budget_left(req, transcript, max_model_len) if transcript else None
@@ -161,7 +167,6 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                 yield _given_up(req, failure, reason, metrics)
                 return
             nxt = continuation(with_token_ids(req), transcript, left)
-            t0 = time.perf_counter()
             try:
                 chunks = await resume(nxt, failure.engine)
             except ProxyError as exc:
@@ -175,9 +180,10 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                 req.spans.annotate(migrations=migrations)
             transcript.continued(as_completion=nxt.endpoint != req.endpoint)
             metrics.migrations_total.labels(reason).inc()
+            resumed = time.perf_counter() - t_lost
+            metrics.migration_seconds.labels("resumed").observe(resumed)
             log.info("%s: stream continued after %s (%d tokens delivered, %.0f ms to resume)",
-                     req.request_id, reason, len(transcript.output_ids),
-                     1e3 * (time.perf_counter() - t0))
+                     req.request_id, reason, len(transcript.output_ids), 1e3 * resumed)
     finally:
         await _close(chunks)
 

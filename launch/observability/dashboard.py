@@ -85,6 +85,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("Fallbacks, stream errors, migrations", "reqps", (
         rates("pd_fallbacks_total", "reason"), rates("pd_stream_errors_total", "reason"),
         rates("pd_migrations_total", "reason"))),
+    Panel("Migration gap", "s", quantiles("pd_migration_seconds", "stage"),
+          "A stream continued on another decode engine: its engine's loss to the "
+          "continuation's headers (resumed) and first bytes (first_token)."),
     Panel("Client disconnects and admission rejections", "reqps", (
         rates("pd_client_disconnects_total", "stage"), rates("pd_rejected_total", "type"))),
     Panel("Engines up", "short", (

@@ -95,6 +95,23 @@ async def test_a_stream_whose_decode_dies_is_continued_on_the_other(engines, pat
                      "total_tokens": len(prompt_ids) + len(TOKENS)}
 
 
+async def test_the_gap_a_migration_adds_is_measured(engines):
+    """``pd_migration_seconds``: from the loss to the continuation's headers (resumed) and to
+    its first relayed bytes (first_token), here held back 0.3 s by the other engine."""
+    prefill, decode, decode2 = engines
+    decode2.decode_gate = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        loop.call_later(0.3, decode2.decode_gate.set)
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+        assert text_of(events(resp.content)) == TEXT
+        for stage in ("resumed", "first_token"):
+            assert await metric(client, "pd_migration_seconds_count", stage=stage) == 1
+        resumed = await metric(client, "pd_migration_seconds_sum", stage="resumed")
+        first = await metric(client, "pd_migration_seconds_sum", stage="first_token")
+    assert 0.25 <= resumed <= first < 5.0
+
+
 async def test_the_client_that_asked_for_token_ids_gets_each_once(engines):
     prefill, decode, decode2 = engines
     body = completions_body(stream=True, return_token_ids=True)
