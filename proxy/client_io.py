@@ -1,19 +1,22 @@
 """The client's side of a request: reading its body within limits, noticing when it leaves.
 
 ``read_body`` enforces the size limit while reading (a declared or actual body over the limit is
-refused without buffering it) and a deadline for the whole body. ``serve_unless_disconnected``
-runs the orchestrator while listening for the client hanging up; on a hang-up it cancels the
-work (closing engine connections, which makes vLLM abort and free the request's KV) and raises
-``ClientGone``.
+refused without buffering it) and a deadline for the whole body. ``hang_up_cancels`` runs a
+piece of the response (the orchestrator's work: ``serve_unless_disconnected``; writing a
+stream: ``render.EventStream``) while listening for the client hanging up; on a hang-up it
+cancels the work (closing engine connections, which makes vLLM abort and free the request's
+KV) and raises ``ClientGone``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Receive
 
 from proxy.errors import PayloadTooLarge, RequestTimeout
 
@@ -47,31 +50,34 @@ async def read_body(request: Request, limit_bytes: int, deadline_s: float) -> by
 async def serve_unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` in this task; if the client hangs up first, cancel it and raise ClientGone.
 
-    The work runs in the calling task (no task hop on the request's critical path); one
-    watcher task listens for the disconnect and cancels this task when it comes."""
+    The work runs in the calling task (no task hop on the request's critical path)."""
+    async with hang_up_cancels(request.receive):
+        return await work
+    raise AssertionError("unreachable")  # mypy: the context manager swallows nothing
+
+
+@asynccontextmanager
+async def hang_up_cancels(receive: Receive) -> AsyncIterator[None]:
+    """The body runs in the calling task while one watcher task listens for the client hanging
+    up (``receive``: the ASGI channel); a hang-up cancels the body and raises ClientGone in its
+    place. Any other cancellation (server shutdown) stays a cancellation."""
     current = asyncio.current_task()
     assert current is not None
     gone = False
 
     async def watch() -> None:
         nonlocal gone
-        await _disconnected(request)
+        while (await receive())["type"] != "http.disconnect":
+            pass
         gone = True
         current.cancel()
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        return await work
+        yield
     except asyncio.CancelledError:
         if gone and current.uncancel() == 0:
             raise ClientGone() from None
         raise  # cancelled for another reason (shutdown): not ours to swallow
     finally:
         watcher.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -39,7 +39,7 @@ from proxy.plan import Plan, make_plan
 from proxy.policy import PolicyMode, Targets
 from proxy.pool import Engine, EnginePool
 from proxy.prefill_leg import PrefillLeg
-from proxy.relay import relay
+from proxy.relay import primed, relay
 from proxy.requests import ApiRequest
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.tokens import prompt_chars
@@ -108,8 +108,8 @@ class Orchestrator:
             inner = with_token_ids(req) if limit and not_migratable(req.body) is None else req
             stream = await self._serve(inner, prefill, decode)
             assert isinstance(stream, Stream)
-            return replace(stream, chunks=migrating(req, stream.chunks, self._resume, limit,
-                                                    self.metrics, self.max_model_len))
+            return replace(stream, chunks=await primed(migrating(
+                req, stream.chunks, self._resume, limit, self.metrics, self.max_model_len)))
         for attempt in range(limit + 1):
             try:
                 return await self._serve(req, prefill, decode)
@@ -169,7 +169,8 @@ class Orchestrator:
                 self.metrics.client_disconnects_total.labels(stage).inc()
                 raise
             assert req.deadline is not None  # set by serve()
-            return Stream(leg.route, relay(leg, stream, req.deadline, self.metrics, self.pool),
+            return Stream(leg.route, await primed(relay(leg, stream, req.deadline,
+                                                        self.metrics, self.pool)),
                           leg.headers())
         except BaseException:
             if leg is not None:

@@ -4,12 +4,12 @@ is an OpenAI-style error body with its status (``errors.error_json``)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from proxy.client_io import ClientGone, hang_up_cancels
 from proxy.errors import ProxyError, error_json, error_sse
 from proxy.orchestrator import Reply, Stream
 
@@ -51,30 +51,17 @@ class EventStream(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        current = asyncio.current_task()
-        assert current is not None
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            current.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async for item in self.chunks:
-                body = error_sse(item) if isinstance(item, ProxyError) else item
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not (gone and current.uncancel() == 0):
-                raise  # cancelled for another reason (shutdown): not ours to swallow
+            async with hang_up_cancels(receive):
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for item in self.chunks:
+                    body = error_sse(item) if isinstance(item, ProxyError) else item
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientGone:
+            pass  # nobody to answer; the chunks are closed below
         finally:
-            watcher.cancel()
             aclose = getattr(self.chunks, "aclose", None)
             try:
                 if aclose is not None:

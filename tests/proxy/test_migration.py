@@ -284,3 +284,24 @@ async def test_the_whole_request_deadline_ends_a_stream_and_is_never_continued(e
     assert error["error"]["type"] == "timeout_error", error
     assert 0 < len(tokens) < 40
     assert decode2.decode_requests == []
+
+
+async def test_a_stream_dropped_before_its_first_read_closes_its_decode_and_claim(engines):
+    """A client gone while the response headers are being written never reads the stream:
+    closing it must still close the decode request (the engine aborts it) and release the
+    request's claim (``relay.primed``)."""
+    from proxy.requests import ApiRequest
+
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames = None
+    # The engine answers with its headers and one frame, then holds the stream open.
+    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 1
+    async with proxy(prefill, decode, decode_urls=(decode.url,)) as client:
+        state = client._transport.app.state.pd  # type: ignore[attr-defined]
+        req = ApiRequest("completions", completions_body(stream=True), True, "dropped")
+        stream = await state.orchestrator.serve(req)
+        await stream.chunks.aclose()  # never read
+        await asyncio.wait_for(decode.decode_aborted.wait(), 10)
+        loads = state.orchestrator.ledger.loads()
+        assert all(v.prompt_tokens == v.output_tokens == v.requests == 0
+                   for v in loads.values()), loads
