@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
+import json
 import os
 import signal
 import statistics
@@ -35,6 +38,7 @@ import httpx
 from benchmarks.common import exit_on_sigterm, log, save_results
 from harness.engine_io import proxy_metric
 from harness.greedy_streams import greedy_streams
+from harness.otlp_receiver import OtlpReceiver
 from harness.prompts import text_of_tokens
 from harness.stack import start_ray
 
@@ -46,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kill-after", type=int, default=8, help="chunks every stream has first")
+    p.add_argument("--policy", default="auto",
+                   help="the proxy's policy (disaggregate: every stream's prompt is prefilled"
+                   " on the prefill engine, whose prefix cache then holds it for a"
+                   " continuation)")
+    p.add_argument("--trace", action="store_true",
+                   help="trace the proxy and engines (OTLP): each continuation's stages")
     p.add_argument("--port", type=int, default=19400)
     p.add_argument("--name", default="migration")
     return p.parse_args(argv)
@@ -235,15 +245,26 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_sigterm()
     args = parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-migration-"))
-    log(f"starting pdserve ray (1P+2D, tiny); logs in {log_dir}")
-    stack = start_ray("tiny", port=args.port, log_dir=log_dir,
-                      extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
-                             "--namespace", f"pdserve-bench-{os.getpid()}",
-                             "--kv-cache-gib", "1"], progress=log)
-    try:
+    log(f"starting pdserve ray (1P+2D, tiny, --policy {args.policy}); logs in {log_dir}")
+    with contextlib.ExitStack() as cleanup:
+        tracing: list[str] = []
+        env: dict[str, str] = {}
+        if args.trace:
+            otlp = cleanup.enter_context(OtlpReceiver())
+            tracing = ["--otlp-traces-endpoint", otlp.endpoint]
+            env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                   "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        stack = start_ray("tiny", port=args.port, log_dir=log_dir,
+                          extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
+                                 "--namespace", f"pdserve-bench-{os.getpid()}",
+                                 "--kv-cache-gib", "1", "--policy", args.policy, *tracing],
+                          progress=log, env=env)
+        cleanup.callback(stack.stop)
         runs = [one_run(stack, args, run) for run in range(args.runs)]
-    finally:
-        stack.stop()
+        if args.trace:
+            time.sleep(2.0)  # the last exports
+            Path(f"/tmp/{args.name}_spans.json").write_text(json.dumps(
+                [dataclasses.asdict(s) for s in otlp.spans]))
     migrated = [g for r in runs for g in r["migrated_gaps_s"]]
     prefills = [r["local_prefill_of_continuation_s"] for r in runs]
     results = {

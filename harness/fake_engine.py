@@ -69,6 +69,10 @@ class FakeEngine:
     decode_drop_after_frames: int | None = None
     #: A whole (unstreamed) decode reply sends its headers and half its body, then drops.
     decode_drop_reply: bool = False
+    #: When set, a streaming decode writes this many frames, then ends the stream as vLLM does
+    #: when its engine core dies: an error event with ``decode_error_code``, then ``[DONE]``.
+    decode_error_after_frames: int | None = None
+    decode_error_code: int = 500
     #: Content tokens of each decode stream (one SSE frame each), and the pause between frames.
     stream_tokens: tuple[str, ...] = STREAM_TOKENS
     decode_frame_interval_s: float = 0.0
@@ -250,6 +254,17 @@ class FakeEngine:
             if i == self.decode_drop_after_frames:
                 assert request.transport is not None
                 request.transport.close()  # a crashed engine: no terminating chunk
+                return resp
+            if i == self.decode_error_after_frames:
+                # vLLM 0.32's completion stream generator on EngineDeadError, byte for byte.
+                error = {"error": {"message": "EngineCore encountered an issue. See stack "
+                                   "trace (above) for the root cause.",
+                                   "type": "InternalServerError"
+                                   if self.decode_error_code >= 500 else "BadRequestError",
+                                   "param": None, "code": self.decode_error_code}}
+                await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                await resp.write(DONE_FRAME)
+                await resp.write_eof()
                 return resp
             if gate is not None and i == self.decode_gate_after_frames > 0:
                 await gate.wait()

@@ -132,6 +132,10 @@ class DecodeLost(UpstreamError):
         self.engine = engine
 
 
+class DecodeErrored(DecodeLost):
+    """``engine`` reported its own failure mid-answer (an in-band 5xx error event)."""
+
+
 class DecodeStalled(StageTimeout):
     """``engine`` sent nothing past the idle deadline mid-answer."""
 

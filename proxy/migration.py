@@ -9,7 +9,10 @@ engine's prefix cache or tier, or prefilled elsewhere and moved. With greedy dec
 client cannot tell: one ``id``, no token twice or missing, one ``finish_reason``, one
 ``[DONE]``, ``usage`` counting the original prompt once. Up to ``limit`` migrations per stream
 (``--migration-limit``); past it, or with no other engine, the stream ends with the in-band
-error it would have had without migration.
+error it would have had without migration. Lost means: its connection dropped (``DecodeLost``),
+silent past the idle deadline (``DecodeStalled``), or its own in-band error event with a 5xx
+code (``DecodeErrored``: vLLM's engine core died while its API server lives on; the
+transcript withholds that event).
 
 What is not continued (:func:`not_migratable`; the in-band error as before): log
 probabilities, ``echo``, stop strings (the engine holds text back while matching them: text a
@@ -30,7 +33,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import replace
 from typing import Any
 
-from proxy.errors import DecodeLost, DecodeStalled, ProxyError
+from proxy.errors import DecodeErrored, DecodeLost, DecodeStalled, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.relay import STARTED
 from proxy.requests import ApiRequest
@@ -39,8 +42,9 @@ from proxy.transcript import Transcript
 log = logging.getLogger(__name__)
 
 #: ``resume(request, failed engine)``: serve ``request`` on a decode engine other than the one
-#: that failed, returning its chunks (raises a ProxyError when it cannot).
-Resume = Callable[[ApiRequest, str], Awaitable[AsyncIterator[bytes | ProxyError]]]
+#: that failed, returning its chunks and that engine's name (raises a ProxyError when it
+#: cannot).
+Resume = Callable[[ApiRequest, str], Awaitable[tuple[AsyncIterator[bytes | ProxyError], str]]]
 
 #: The chat fields a completion of token ids takes over (sampling and output controls).
 _CARRIED_FROM_CHAT = (
@@ -120,13 +124,14 @@ def continuation(req: ApiRequest, transcript: Transcript, left: int) -> ApiReque
     return replace(req, endpoint="completions", body=out, force_route=None)
 
 
-async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
+async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], engine: str,
                     resume: Resume, limit: int, metrics: ProxyMetrics,
                     max_model_len: int | None = None
                     ) -> AsyncGenerator[bytes | ProxyError, None]:
-    """The client's stream: ``chunks`` (a relay, started), continued through ``resume`` when
-    its engine is lost, up to ``limit`` times. ``req`` is the client's request (without the
-    token ids asked for it); a request that is not migratable passes through untouched.
+    """The client's stream: ``chunks`` (a relay from decode engine ``engine``, started),
+    continued through ``resume`` when its engine is lost, up to ``limit`` times. ``req`` is
+    the client's request (without the token ids asked for it); a request that is not
+    migratable passes through untouched.
     ``max_model_len``: the engines' context (a chat request without ``max_tokens`` may fill
     it). Its first item is ``STARTED`` (``relay.primed``)."""
     why_not = not_migratable(req.body) if limit > 0 else "disabled"
@@ -152,10 +157,17 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                             time.perf_counter() - t_lost)
                         t_lost = 0.0
                     yield out
+                if transcript is not None and transcript.engine_error is not None:
+                    log.warning("%s: decode %s failed mid-stream: %s", req.request_id, engine,
+                                transcript.engine_error)
+                    failure = DecodeErrored("the decode engine failed mid-stream",
+                                            engine=engine)
+                    break
             if failure is None:
                 return
             t_lost = time.perf_counter()
-            reason = "decode_lost" if isinstance(failure, DecodeLost) else "decode_timeout"
+            reason = ("decode_error" if isinstance(failure, DecodeErrored) else
+                      "decode_lost" if isinstance(failure, DecodeLost) else "decode_timeout")
             await _close(chunks)  # the lost leg's cleanup (its claim, its stream) runs now
             left = budget_left(req, transcript, max_model_len) if transcript else None
             if transcript is not None and (transcript.finished or left == 0):
@@ -171,7 +183,7 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError],
                 return
             nxt = continuation(with_token_ids(req), transcript, left)
             try:
-                chunks = await resume(nxt, failure.engine)
+                chunks, engine = await resume(nxt, failure.engine)
             except ProxyError as exc:
                 log.warning("%s: no continuation after %s (%s)", req.request_id, reason,
                             exc.message)

@@ -61,6 +61,8 @@ class Stream:
     route: str
     chunks: AsyncIterator[bytes | ProxyError]
     headers: dict[str, str] = field(default_factory=dict)
+    #: The decode engine the chunks come from.
+    engine: str = ""
 
 
 class Orchestrator:
@@ -109,7 +111,8 @@ class Orchestrator:
             stream = await self._serve(inner, prefill, decode)
             assert isinstance(stream, Stream)
             return replace(stream, chunks=await primed(migrating(
-                req, stream.chunks, self._resume, limit, self.metrics, self.max_model_len)))
+                req, stream.chunks, stream.engine, self._resume, limit, self.metrics,
+                self.max_model_len)))
         for attempt in range(limit + 1):
             try:
                 return await self._serve(req, prefill, decode)
@@ -125,14 +128,16 @@ class Orchestrator:
                             req.request_id, exc.engine, decode.name)
         raise AssertionError("unreachable")
 
-    async def _resume(self, req: ApiRequest, failed: str) -> AsyncIterator[bytes | ProxyError]:
-        """``req`` (a stream's continuation) on a decode engine other than ``failed``."""
+    async def _resume(self, req: ApiRequest, failed: str
+                      ) -> tuple[AsyncIterator[bytes | ProxyError], str]:
+        """``req`` (a stream's continuation) on a decode engine other than ``failed``: its
+        chunks, and that engine's name."""
         decode = self.pool.pick_decode(self._load, exclude=failed)
         if decode is None:
             raise NoEngineAvailable("no other decode engine to continue the stream on")
         stream = await self._serve(req, None, decode)
         assert isinstance(stream, Stream)
-        return stream.chunks
+        return stream.chunks, stream.engine
 
     async def _serve(self, req: ApiRequest, prefill: Engine | None, decode: Engine | None
                      ) -> Reply | Stream:
@@ -171,7 +176,7 @@ class Orchestrator:
             assert req.deadline is not None  # set by serve()
             return Stream(leg.route, await primed(relay(leg, stream, req.deadline,
                                                         self.metrics, self.pool)),
-                          leg.headers())
+                          leg.headers(), leg.decode.name)
         except BaseException:
             if leg is not None:
                 leg.ended(time.perf_counter())

@@ -23,6 +23,11 @@ as the stream's own (:meth:`Transcript.continued`): the first event's ``id`` and
 tokens: they move back to ``completion_tokens``); and, for a chat stream continued as a
 completion of token ids (vLLM's chat API takes no token-id prompt), each completion choice
 turned into a chat delta.
+
+An engine that fails while its API server lives on (its engine core killed, as an out-of-memory
+kill or a device fault does) ends the stream itself, with an error event (``code`` 500) and
+``[DONE]``: those are withheld (:attr:`Transcript.engine_error`) and the stream is continued as
+for a lost connection. An error event with a 4xx code is the request's and passes through.
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ class Transcript:
         self.model: str | None = None
         #: A choice carried a ``finish_reason``: nothing is left to continue.
         self.finished = False
+        #: The engine reported its own failure in band (an error event with a 5xx code, as
+        #: vLLM sends when its engine core dies mid-stream): that event and everything after
+        #: it are withheld, for the stream to be continued elsewhere.
+        self.engine_error: str | None = None
         #: Output ids in the prompt of the engine answering now (0 for the first engine).
         self._carried = 0
         #: The engine answering now writes completion events for a chat stream.
@@ -103,6 +112,7 @@ class Transcript:
         self._carried = len(self.output_ids)
         self._as_chat = self.chat and as_completion
         self._held = b""  # an event the lost engine did not finish was never sent
+        self.engine_error = None
 
     def feed(self, chunk: bytes) -> bytes:
         """The client's bytes for ``chunk``: each event it completes, rewritten."""
@@ -121,7 +131,7 @@ class Transcript:
 
     def _event(self, event: bytes) -> bytes | None:
         stripped = event.strip()
-        if not stripped:
+        if not stripped or self.engine_error is not None:
             return None
         if not self._carried and not self.keep_ids:
             if self.id is not None:
@@ -136,8 +146,13 @@ class Transcript:
             obj = _decode(stripped[len(_DATA):])
         except msgspec.DecodeError:
             return stripped + b"\n\n"
-        if not isinstance(obj, dict) or "error" in obj:
+        if not isinstance(obj, dict):
             return stripped + b"\n\n"
+        if "error" in obj:
+            if _engine_failure(obj["error"]):
+                self.engine_error = str(obj["error"].get("message") or "engine error")
+                return None
+            return stripped + b"\n\n"  # the request's own error (4xx): the client's to see
         self._changed = False
         obj = self._rewrite(obj)
         if obj is None:
@@ -291,3 +306,10 @@ def _has_content(choice: dict[str, Any]) -> bool:
     if isinstance(delta, dict) and any(v not in (None, "", []) for v in delta.values()):
         return True
     return choice.get("logprobs") is not None
+
+
+def _engine_failure(error: Any) -> bool:
+    """An in-band error event's ``error`` says the engine failed (a 5xx code: vLLM's
+    ``EngineDeadError``, an internal generation error), not the request."""
+    return isinstance(error, dict) and isinstance(error.get("code"), int) and (
+        error["code"] >= 500)

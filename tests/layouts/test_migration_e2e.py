@@ -1,5 +1,6 @@
 """Stream migration on real engines: the aggregated pool's two vLLM engines each decoding some of
-8 concurrent greedy streams (the official ``openai`` client), one engine SIGKILLed mid-stream;
+8 concurrent greedy streams (the official ``openai`` client), one engine SIGKILLed mid-stream
+(the whole engine, or only its engine core);
 every stream completes, its text equal to the same stream's uninterrupted run (a migrated
 stream may differ after the switch: ``harness.greedy_streams``), and the proxy counts the
 migrations. The killed engine is restarted by dev mode's supervisor; the test waits for the
@@ -12,6 +13,9 @@ import asyncio
 import os
 import signal
 
+import psutil
+import pytest
+
 from harness.engine_io import proxy_metric
 from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
@@ -23,8 +27,13 @@ MAX_TOKENS = 192
 VICTIM = "engine-0"
 
 
-def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(pool_stack):
+@pytest.mark.parametrize("kill", ["engine", "engine_core"])
+def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(pool_stack, kill):
+    """``engine``: the whole engine SIGKILLed (its connections drop); ``engine_core``: only its
+    vLLM engine core (an out-of-memory kill or a device fault does this), whose API server
+    then ends each stream with an in-band error event (code 500) and ``[DONE]``."""
     stack = pool_stack
+    reason = "decode_lost" if kill == "engine" else "decode_error"
     route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
     prompts = [text_of_tokens(40, seed=300 + i) for i in range(STREAMS)]
 
@@ -35,16 +44,21 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
     def kill_victim() -> None:
         url = costs(stack)["engines"][VICTIM]["url"]
         (pgid,) = [e["pid"] for e in stack.run_info()["engines"] if e["url"] == url]
-        os.killpg(pgid, signal.SIGKILL)
+        if kill == "engine":
+            os.killpg(pgid, signal.SIGKILL)
+            return
+        (core,) = [p for p in psutil.Process(pgid).children()
+                   if p.name().startswith("VLLM::EngineCor")]
+        core.kill()
 
     reference = run()
     assert all(r.finish == "length" for r in reference)
-    before = proxy_metric(stack.proxy_url, "pd_migrations_total", reason="decode_lost")
+    before = proxy_metric(stack.proxy_url, "pd_migrations_total", reason=reason)
     route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])  # idle again
     try:
         killed = run(kill_victim)
         migrated = proxy_metric(stack.proxy_url, "pd_migrations_total",
-                                reason="decode_lost") - before
+                                reason=reason) - before
         gaps = sorted(round(max(r.gaps()), 3) for r in killed)
         print(f"migrated {migrated:.0f} of {STREAMS} streams; longest gap per stream (s): {gaps}")
         assert migrated >= 1, "no stream was on the killed engine"

@@ -112,6 +112,48 @@ async def test_the_gap_a_migration_adds_is_measured(engines):
     assert 0.25 <= resumed <= first < 5.0
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS_PATH, CHAT_PATH])
+async def test_an_engine_that_reports_its_own_failure_in_band_is_continued(engines, path):
+    """vLLM whose engine core died ends its streams itself: an error event (code 500), then
+    ``[DONE]``. Neither reaches the client: the stream goes on on the other engine."""
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames, decode.decode_error_after_frames = None, 3
+    body = {COMPLETIONS_PATH: completions_body, CHAT_PATH: chat_body}[path](
+        stream=True, max_tokens=len(TOKENS), stream_options={"include_usage": True})
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(path, json=body)
+        assert await metric(client, "pd_migrations_total", reason="decode_error") == 1
+        assert await metric(client, "pd_stream_errors_total", reason="decode_error") == 0
+    evs = events(resp.content)
+    assert b"error" not in resp.content
+    assert text_of(evs) == TEXT and finishes(evs) == ["length"]
+    assert len(decode2.decode_requests) == 1
+
+
+async def test_an_in_band_error_of_the_request_itself_is_the_clients(engines):
+    """A 4xx error event is about the request: passed through, not continued elsewhere."""
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames, decode.decode_error_after_frames = None, 3
+    decode.decode_error_code = 400
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+        assert await metric(client, "pd_migrations_total", reason="decode_error") == 0
+    (error,) = [e for e in events(resp.content) if "error" in e]
+    assert error["error"]["code"] == 400
+    assert decode2.decode_requests == []
+
+
+async def test_a_stream_that_cannot_be_continued_keeps_the_engines_in_band_error(engines):
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames, decode.decode_error_after_frames = None, 3
+    body = completions_body(stream=True, logprobs=1)
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=body)
+    (error,) = [e for e in events(resp.content) if "error" in e]
+    assert error["error"]["code"] == 500
+    assert decode2.decode_requests == []
+
+
 async def test_the_client_that_asked_for_token_ids_gets_each_once(engines):
     prefill, decode, decode2 = engines
     body = completions_body(stream=True, return_token_ids=True)
