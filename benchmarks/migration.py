@@ -2,20 +2,24 @@
 
 Ray mode on a local cluster, one prefill and two decode engines (the tiny model). Each run:
 the same ``--streams`` greedy streams (the official ``openai`` client) once uninterrupted (the
-reference), then again with decode-0's vLLM server SIGKILLed once every stream has
-``--kill-after`` chunks; then wait until Ray has restarted it and the proxy sees it healthy.
-Reported per run: streams completed, texts equal to the reference, migrations the proxy
-counted, and the gap each stream saw across the kill. The streams that were on the killed
-engine are the ones the proxy migrated; the client cannot tell which they were, so the
-``migrated`` largest gaps across the kill are taken as theirs (the others only see their
-engine take the continuations in).
+reference), then again with decode-0's vLLM server (``--kill engine_core``: only its engine
+core) SIGKILLed once every stream has ``--kill-after`` chunks; then wait until Ray has
+restarted it and the proxy sees it healthy. Reported per run: streams completed, texts equal to
+the reference, migrations the proxy counted, the gap each stream saw across the kill (its two
+sides: the last chunk before the kill, the first after), and the proxy's own
+``pd_migration_seconds`` (the loss seen to the continuation's headers and first bytes: what
+is left of the gap is the kill's own time to be seen). ``--trace`` adds each continuation's
+stages from the proxy's and the engines' traces (``continuation_stages``). The streams that
+were on the killed engine are the ones the proxy migrated; the client cannot tell which they
+were, so the ``migrated`` largest gaps across the kill are taken as theirs (the others only
+see their engine take the continuations in).
 
 What a migrated stream's gap is compared with: one local prefill of a continuation (the prompt
 plus the chunks delivered by the kill, a fresh prompt each time so nothing is cached), timed on
 the surviving decode engine alone, after the run.
 
-Run: ``python -m benchmarks.migration [--runs 3] [--streams 8]``. Writes
-``benchmarks/results/migration.json`` and ``.png``.
+Run: ``python -m benchmarks.migration [--runs 3] [--streams 8] [--policy P] [--kill K]
+[--trace] [--name N]``. Writes ``benchmarks/results/<N>.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
-import json
 import os
 import signal
 import statistics
@@ -38,9 +40,12 @@ import httpx
 from benchmarks.common import exit_on_sigterm, log, save_results
 from harness.engine_io import proxy_metric
 from harness.greedy_streams import greedy_streams
-from harness.otlp_receiver import OtlpReceiver
+from harness.otlp_receiver import OtlpReceiver, ReceivedSpan
 from harness.prompts import text_of_tokens
 from harness.stack import start_ray
+
+#: How long after the kill a stream's break may end and still count as the migration's.
+KILL_WINDOW_S = 5.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the proxy's policy (disaggregate: every stream's prompt is prefilled"
                    " on the prefill engine, whose prefix cache then holds it for a"
                    " continuation)")
+    p.add_argument("--kill", choices=("server", "engine_core"), default="server",
+                   help="what dies: decode-0's vLLM server (its connections drop), or only its"
+                   " engine core (the server then ends each stream with an in-band error)")
     p.add_argument("--trace", action="store_true",
                    help="trace the proxy and engines (OTLP): each continuation's stages")
     p.add_argument("--port", type=int, default=19400)
@@ -155,6 +163,11 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
     wait_until(lambda: idle(url), "decodes idle", 120)
     victim = decodes(url)["decode-0"]
     pid = listener_pid(victim["url"])
+    if args.kill == "engine_core":
+        import psutil
+
+        (pid,) = [p.pid for p in psutil.Process(pid).children()
+                  if p.name().startswith("VLLM::EngineCor")]
     t_kill = t_kill_wall = 0.0
 
     def kill() -> None:
@@ -164,11 +177,12 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
         t_kill = time.perf_counter()
         t_kill_wall = time.time()
 
-    before = proxy_metric(url, "pd_migrations_total", reason="decode_lost")
+    reason = "decode_lost" if args.kill == "server" else "decode_error"
+    before = proxy_metric(url, "pd_migrations_total", reason=reason)
     stages_before = migration_stages(url)
     decided = decisions(url)
     killed = streams(kill)
-    migrated = int(proxy_metric(url, "pd_migrations_total", reason="decode_lost") - before)
+    migrated = int(proxy_metric(url, "pd_migrations_total", reason=reason) - before)
     # The proxy's own clock: loss seen -> continuation's headers / its first bytes (means).
     in_proxy = {stage: (s - stages_before.get(stage, (0.0, 0.0))[0])
                 / max(1.0, n - stages_before.get(stage, (0.0, 0.0))[1])
@@ -177,11 +191,15 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
     routes = {k: v - decided.get(k, 0.0) for k, v in decisions(url).items()
               if v - decided.get(k, 0.0) > 0}
     across, sides = [], []
-    for r in killed:  # the gap that spans the kill (a stream that ended before it: none)
-        spans = [(a, b) for a, b in zip(r.times, r.times[1:]) if a <= t_kill <= b]
-        across.append(spans[0][1] - spans[0][0] if spans else 0.0)
-        # The gap's two sides: last chunk before the kill, first after (seconds from it).
-        sides.append((t_kill - spans[0][0], spans[0][1] - t_kill) if spans else (0.0, 0.0))
+    for r in killed:
+        # The longest gap ending within KILL_WINDOW_S of the kill: the killed engine's socket
+        # may still deliver what it had written before the kill, so the stream's break can
+        # start a little after it.
+        spans = [(a, b) for a, b in zip(r.times, r.times[1:])
+                 if t_kill <= b <= t_kill + KILL_WINDOW_S]
+        a, b = max(spans, key=lambda ab: ab[1] - ab[0]) if spans else (t_kill, t_kill)
+        across.append(b - a)
+        sides.append((t_kill - a, b - t_kill))  # its start (before the kill: > 0) and end
     survivor = decodes(url)["decode-1"]["url"]
     prefill = [local_prefill_s(survivor, stack.model_name,
                                args.prompt_tokens + args.kill_after, 90_000 + 10 * run + k,
@@ -202,6 +220,7 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
         "gap_across_kill_s": across,
         "migrated_gaps_s": sorted(across, reverse=True)[:migrated],
         "migrated_gap_sides_s": sorted(sides, key=sum, reverse=True)[:migrated],
+        "chunk_times_from_kill_s": [[round(t - t_kill, 4) for t in r.times] for r in killed],
         "kill_wall_time": t_kill_wall,
         # Mean, per migrated stream, of the proxy's pd_migration_seconds by stage.
         "proxy_loss_to_resumed_s": in_proxy.get("resumed", 0.0),
@@ -220,6 +239,41 @@ def one_run(stack, args: argparse.Namespace, run: int) -> dict[str, Any]:
                not in (None, victim["instance"]) and decodes(url)["decode-0"]["healthy"],
                "decode-0 restarted", 600)
     out["restart_s"] = time.monotonic() - t0
+    return out
+
+
+def continuation_stages(spans: list[ReceivedSpan]) -> list[dict[str, Any]]:
+    """Each continuation's stages, in ms, from the traces (a migrated stream's trace holds a
+    second ``decision``): the lost relay's end to the continuation's plan, the plan to its
+    decode request (a prefill leg in between when disaggregated), that request to its first
+    byte; and, from the surviving engine's own ``llm_request`` span, its time in queue, in the
+    model's prefill, and its time to first token."""
+    traces: dict[str, list[ReceivedSpan]] = {}
+    for s in spans:
+        traces.setdefault(s.trace_id, []).append(s)
+    out = []
+    for trace in traces.values():
+        decisions = sorted((s for s in trace if s.name == "decision"), key=lambda s: s.start_ns)
+        if len(decisions) < 2:
+            continue
+        t_plan = decisions[1].start_ns
+        lost = min((s for s in trace if s.name == "relay"), key=lambda s: s.start_ns)
+        decode = min((s for s in trace if s.name == "decode" and s.start_ns >= t_plan),
+                     key=lambda s: s.start_ns)
+        engine = [s.attributes for s in trace
+                  if s.name == "llm_request" and s.start_ns >= decode.start_ns]
+        latency = engine[-1] if engine else {}
+        out.append({
+            "route": decisions[1].attributes.get("pd.route"),
+            "lost_to_plan_ms": round((t_plan - lost.end_ns) / 1e6, 2),
+            "plan_to_decode_sent_ms": round((decode.start_ns - t_plan) / 1e6, 1),
+            "decode_sent_to_first_byte_ms": round((decode.end_ns - decode.start_ns) / 1e6, 1),
+            "engine_queue_ms": round(1e3 * latency.get("gen_ai.latency.time_in_queue", 0), 1),
+            "engine_prefill_ms": round(
+                1e3 * latency.get("gen_ai.latency.time_in_model_prefill", 0), 1),
+            "engine_ttft_ms": round(
+                1e3 * latency.get("gen_ai.latency.time_to_first_token", 0), 1),
+        })
     return out
 
 
@@ -245,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     exit_on_sigterm()
     args = parse_args(argv)
     log_dir = Path(tempfile.mkdtemp(prefix="pdserve-migration-"))
-    log(f"starting pdserve ray (1P+2D, tiny, --policy {args.policy}); logs in {log_dir}")
+    log(f"starting pdserve ray (1P+2D, tiny, --policy {args.policy}, kill {args.kill}); "
+        f"logs in {log_dir}")
     with contextlib.ExitStack() as cleanup:
         tracing: list[str] = []
         env: dict[str, str] = {}
@@ -261,14 +316,17 @@ def main(argv: list[str] | None = None) -> None:
                           progress=log, env=env)
         cleanup.callback(stack.stop)
         runs = [one_run(stack, args, run) for run in range(args.runs)]
+        continuations = []
         if args.trace:
             time.sleep(2.0)  # the last exports
-            Path(f"/tmp/{args.name}_spans.json").write_text(json.dumps(
-                [dataclasses.asdict(s) for s in otlp.spans]))
+            continuations = continuation_stages(otlp.spans)
+            for c in continuations:
+                log("continuation: " + ", ".join(f"{k} {v}" for k, v in c.items()))
     migrated = [g for r in runs for g in r["migrated_gaps_s"]]
     prefills = [r["local_prefill_of_continuation_s"] for r in runs]
     results = {
         "config": vars(args), "streams": args.streams, "runs": runs,
+        "continuations_traced": continuations,
         "summary": {
             "completed": f"{sum(r['completed'] for r in runs)}/{args.streams * args.runs}",
             "same_text": f"{sum(r['same_text'] for r in runs)}/{args.streams * args.runs}",

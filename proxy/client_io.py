@@ -1,7 +1,7 @@
 """The client's side of a request: reading its body within limits, noticing when it leaves.
 
 ``read_body`` enforces the size limit while reading (a declared or actual body over the limit is
-refused without buffering it) and a deadline for the whole body. ``hang_up_cancels`` runs a
+refused without buffering it) and a deadline for the whole body. ``HangUpCancels`` runs a
 piece of the response (the orchestrator's work: ``serve_unless_disconnected``; writing a
 stream: ``render.EventStream``) while listening for the client hanging up; on a hang-up it
 cancels the work (closing engine connections, which makes vLLM abort and free the request's
@@ -11,8 +11,8 @@ KV) and raises ``ClientGone``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
-from contextlib import asynccontextmanager
+from collections.abc import Coroutine
+from types import TracebackType
 from typing import Any, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
@@ -51,33 +51,38 @@ async def serve_unless_disconnected(request: Request, work: Coroutine[Any, Any, 
     """Run ``work`` in this task; if the client hangs up first, cancel it and raise ClientGone.
 
     The work runs in the calling task (no task hop on the request's critical path)."""
-    async with hang_up_cancels(request.receive):
+    async with HangUpCancels(request.receive):
         return await work
-    raise AssertionError("unreachable")  # mypy: the context manager swallows nothing
 
 
-@asynccontextmanager
-async def hang_up_cancels(receive: Receive) -> AsyncIterator[None]:
-    """The body runs in the calling task while one watcher task listens for the client hanging
-    up (``receive``: the ASGI channel); a hang-up cancels the body and raises ClientGone in its
-    place. Any other cancellation (server shutdown) stays a cancellation."""
-    current = asyncio.current_task()
-    assert current is not None
-    gone = False
+class HangUpCancels:
+    """``async with HangUpCancels(receive):`` the body runs in the calling task while one
+    watcher task listens for the client hanging up (``receive``: the ASGI channel); a hang-up
+    cancels the body and raises ClientGone in its place. Any other cancellation (server
+    shutdown) stays a cancellation. (A class, not a generator-based context manager: it is on
+    every request's path twice.)"""
 
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
+    __slots__ = ("_receive", "_task", "_gone", "_watcher")
+
+    def __init__(self, receive: Receive):
+        self._receive = receive
+        self._gone = False
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
             pass
-        gone = True
-        current.cancel()
+        self._gone = True
+        self._task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if gone and current.uncancel() == 0:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self._watcher.cancel()
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and (
+                self._gone and self._task.uncancel() == 0):
             raise ClientGone() from None
-        raise  # cancelled for another reason (shutdown): not ours to swallow
-    finally:
-        watcher.cancel()

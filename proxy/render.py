@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from proxy.client_io import ClientGone, hang_up_cancels
+from proxy.client_io import ClientGone, HangUpCancels
 from proxy.errors import ProxyError, error_json, error_sse
 from proxy.orchestrator import Reply, Stream
 
@@ -52,7 +52,7 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with hang_up_cancels(receive):
+            async with HangUpCancels(receive):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
                 async for item in self.chunks:
