@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from proxy.errors import DecodeErrored, DecodeLost, DecodeStalled, ProxyError
 from proxy.metrics import ProxyMetrics
-from proxy.relay import STARTED
 from proxy.requests import ApiRequest
 from proxy.transcript import Transcript
 
@@ -127,20 +126,19 @@ def continuation(req: ApiRequest, transcript: Transcript, left: int) -> ApiReque
 async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], engine: str,
                     resume: Resume, limit: int, metrics: ProxyMetrics,
                     max_model_len: int | None = None
-                    ) -> AsyncGenerator[bytes | ProxyError, None]:
-    """The client's stream: ``chunks`` (a relay from decode engine ``engine``, started),
+                    ) -> AsyncIterator[bytes | ProxyError]:
+    """The client's stream: ``chunks`` (a relay from decode engine ``engine``),
     continued through ``resume`` when its engine is lost, up to ``limit`` times. ``req`` is
     the client's request (without the token ids asked for it); a request that is not
     migratable passes through untouched.
     ``max_model_len``: the engines' context (a chat request without ``max_tokens`` may fill
-    it). Its first item is ``STARTED`` (``relay.primed``)."""
+    it)."""
     why_not = not_migratable(req.body) if limit > 0 else "disabled"
     transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
                   if why_not is None else None)
     migrations = 0
     t_lost = 0.0  # when the engine being continued from was lost (0: not continuing)
     try:
-        yield STARTED
         while True:
             failure: DecodeLost | DecodeStalled | None = None
             async for item in chunks:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
 from proxy.costs import RouteCosts
@@ -39,7 +39,7 @@ from proxy.plan import Plan, make_plan
 from proxy.policy import PolicyMode, Targets
 from proxy.pool import Engine, EnginePool
 from proxy.prefill_leg import PrefillLeg
-from proxy.relay import primed, relay
+from proxy.relay import relay
 from proxy.requests import ApiRequest
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.tokens import prompt_chars
@@ -63,6 +63,10 @@ class Stream:
     headers: dict[str, str] = field(default_factory=dict)
     #: The decode engine the chunks come from.
     engine: str = ""
+    #: For a stream dropped before its first read (the client gone while the response headers
+    #: were written): closing a generator that never started runs none of its cleanup, so this
+    #: closes the decode request and releases its claim instead.
+    abandon: Callable[[], None] | None = None
 
 
 class Orchestrator:
@@ -110,9 +114,9 @@ class Orchestrator:
             inner = with_token_ids(req) if limit and not_migratable(req.body) is None else req
             stream = await self._serve(inner, prefill, decode)
             assert isinstance(stream, Stream)
-            return replace(stream, chunks=await primed(migrating(
+            return replace(stream, chunks=migrating(
                 req, stream.chunks, stream.engine, self._resume, limit, self.metrics,
-                self.max_model_len)))
+                self.max_model_len))
         for attempt in range(limit + 1):
             try:
                 return await self._serve(req, prefill, decode)
@@ -174,9 +178,14 @@ class Orchestrator:
                 self.metrics.client_disconnects_total.labels(stage).inc()
                 raise
             assert req.deadline is not None  # set by serve()
-            return Stream(leg.route, await primed(relay(leg, stream, req.deadline,
-                                                        self.metrics, self.pool)),
-                          leg.headers(), leg.decode.name)
+            opened, ending = stream, leg
+
+            def abandon() -> None:
+                opened.close()
+                ending.ended(time.perf_counter())
+
+            return Stream(leg.route, relay(leg, stream, req.deadline, self.metrics, self.pool),
+                          leg.headers(), leg.decode.name, abandon)
         except BaseException:
             if leg is not None:
                 leg.ended(time.perf_counter())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
 
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
@@ -23,31 +23,14 @@ from proxy.errors import DecodeLost, DecodeStalled, ProxyError, RequestDeadline
 _DONE = b"data: [DONE]"
 
 
-#: The first item of a stream's generators, taken by :func:`primed` before anyone else reads.
-STARTED = b""
-
-
-async def primed(chunks: AsyncGenerator[bytes | ProxyError, None]
-                 ) -> AsyncGenerator[bytes | ProxyError, None]:
-    """``chunks`` (a generator whose first item is ``STARTED``), started: closing a generator
-    that never started runs none of its body, so a stream dropped before its first read (the
-    client gone while the response headers were being written) would leave its decode request
-    open and its claim held. Started, its ``finally`` runs however it ends."""
-    first = await anext(chunks)
-    assert first is STARTED
-    return chunks
-
-
 async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, pool
-                ) -> AsyncGenerator[bytes | ProxyError, None]:
-    """``deadline``: when the whole request must be over (``loop.time()``). Its first item is
-    ``STARTED`` (:func:`primed`)."""
+                ) -> AsyncIterator[bytes | ProxyError]:
+    """``deadline``: when the whole request must be over (``loop.time()``)."""
     t_first = 0.0
     tail = b""
     engine = leg.decode
     engine.open_streams.add(stream)
     try:
-        yield STARTED
         async with asyncio.timeout_at(deadline):
             async for chunk in stream.chunks():
                 # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the client

@@ -27,7 +27,7 @@ def render(result: Reply | Stream, on_end: Callable[[], None] | None = None) -> 
     if isinstance(result, Reply):
         return Response(result.body, status_code=result.status, media_type="application/json",
                         headers=result.headers)
-    return EventStream(result.chunks, result.headers, on_end)
+    return EventStream(result.chunks, result.headers, on_end, result.abandon)
 
 
 class EventStream(Response):
@@ -43,18 +43,23 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, chunks: AsyncIterator[bytes | ProxyError], headers: dict[str, str],
-                 on_end: Callable[[], None] | None = None):
+                 on_end: Callable[[], None] | None = None,
+                 abandon: Callable[[], None] | None = None):
         self.chunks = chunks
         self.on_end = on_end
+        #: Ends a stream that was never read (``Stream.abandon``).
+        self.abandon = abandon
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        read = False
         try:
             async with HangUpCancels(receive):
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
+                read = True  # the loop starts the chunks' generator at once
                 async for item in self.chunks:
                     body = error_sse(item) if isinstance(item, ProxyError) else item
                     await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -64,7 +69,9 @@ class EventStream(Response):
         finally:
             aclose = getattr(self.chunks, "aclose", None)
             try:
-                if aclose is not None:
+                if not read and self.abandon is not None:
+                    self.abandon()  # never started: aclose would run none of its cleanup
+                elif aclose is not None:
                     await aclose()
             finally:
                 if self.on_end is not None:

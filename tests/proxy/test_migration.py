@@ -329,20 +329,33 @@ async def test_the_whole_request_deadline_ends_a_stream_and_is_never_continued(e
 
 
 async def test_a_stream_dropped_before_its_first_read_closes_its_decode_and_claim(engines):
-    """A client gone while the response headers are being written never reads the stream:
-    closing it must still close the decode request (the engine aborts it) and release the
-    request's claim (``relay.primed``)."""
+    """The client hangs up while the response headers are being written, so the stream is
+    never read: its decode request must still be closed (the engine aborts it) and the
+    request's claim released (``Stream.abandon``; closing a generator that never started runs
+    none of its cleanup)."""
+    from proxy.render import render
     from proxy.requests import ApiRequest
 
     prefill, decode, decode2 = engines
     decode.decode_drop_after_frames = None
     # The engine answers with its headers and one frame, then holds the stream open.
     decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 1
+    gone = asyncio.Event()
+
+    async def receive() -> dict:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            gone.set()
+            await asyncio.Event().wait()  # a client that stopped reading
+
     async with proxy(prefill, decode, decode_urls=(decode.url,)) as client:
         state = client._transport.app.state.pd  # type: ignore[attr-defined]
         req = ApiRequest("completions", completions_body(stream=True), True, "dropped")
         stream = await state.orchestrator.serve(req)
-        await stream.chunks.aclose()  # never read
+        await asyncio.wait_for(render(stream)({"type": "http"}, receive, send), 10)
         await asyncio.wait_for(decode.decode_aborted.wait(), 10)
         loads = state.orchestrator.ledger.loads()
         assert all(v.prompt_tokens == v.output_tokens == v.requests == 0
