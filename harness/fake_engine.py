@@ -69,6 +69,9 @@ class FakeEngine:
     decode_drop_after_frames: int | None = None
     #: A whole (unstreamed) decode reply sends its headers and half its body, then drops.
     decode_drop_reply: bool = False
+    #: Status of a decode reply; anything but 200 comes with vLLM's error body (500: what vLLM
+    #: answers while its engine core is dead).
+    decode_status: int = 200
     #: When set, a streaming decode writes this many frames, then ends the stream as vLLM does
     #: when its engine core dies: an error event with ``decode_error_code``, then ``[DONE]``.
     decode_error_after_frames: int | None = None
@@ -228,6 +231,9 @@ class FakeEngine:
     ) -> web.StreamResponse:
         if gate is not None and self.decode_gate_after_frames == 0:
             await gate.wait()
+        if self.decode_status != 200:
+            return _error(self.decode_status, "InternalServerError", "EngineCore encountered an "
+                          "issue. See stack trace (above) for the root cause.")
         if not rec.body.get("stream"):
             reply = _reply(rec, "".join(self.stream_tokens)) | {
                 "kv_transfer_params": None,

@@ -72,9 +72,8 @@ class DecodeLeg:
         return self.claim.engine
 
     async def open(self) -> EngineStream:
-        """Send the decode request. A decode engine that cannot be reached has seen nothing of
-        the request, so it goes to another healthy decode engine (once each) before failing;
-        any decode engine can pull the prefill's KV."""
+        """Send the decode request; an engine unreachable (it saw nothing: any can pull the KV)
+        or answering 5xx (its core dead: the next computes the prompt) is replaced, once each."""
         tried: set[str] = set()
         while True:
             decode = self.decode
@@ -95,18 +94,17 @@ class DecodeLeg:
                 stream = await decode.client.open_stream(
                     self.req.path, self.body, headers, self._deadlines.headers_s,
                     self._deadlines.idle_s)
-                break
+                if stream.status < 500:
+                    break
+                failed = await _read_and_close(stream)
+                if not self._move_on(decode, tried, f"answered {stream.status}"):
+                    raise from_engine_error(stream.status, failed)
+                if self.handoff is not None:
+                    self._recompute_instead(delivered=True)
             except EngineUnreachable as exc:
-                self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
                 self._pool.mark_down(decode)
-                other = self._pool.pick_decode(self._load)
-                if other is None or other.name in tried:
+                if not self._move_on(decode, tried, "unreachable"):
                     raise UpstreamError("the decode engine is unreachable") from None
-                log.warning("decode %s unreachable: retrying %s on %s", decode.name,
-                            self.req.request_id, other.name)
-                self._metrics.fallbacks_total.labels("decode_retried").inc()
-                self.claim.move_to(other)
-                self.local_was_idle = self.local_was_idle and self.claim.was_idle
                 if self.handoff is not None and (exc.delivered or time.time() > self.read_by):
                     self._recompute_instead(exc.delivered)
             except EngineTimeout:
@@ -118,12 +116,21 @@ class DecodeLeg:
                 raise StageTimeout("the decode engine did not answer in time") from None
         self.answered = True
         if stream.status != 200:
-            try:
-                data = await stream.read_all()
-            finally:
-                stream.close()
-            raise from_engine_error(stream.status, data)
+            raise from_engine_error(stream.status, await _read_and_close(stream))
         return stream
+
+    def _move_on(self, failed: Engine, tried: set[str], why: str) -> bool:
+        """Move the claim to a decode engine not yet ``tried``; False when there is none."""
+        self._costs.tracker(failed.name).work_dropped(self, time.perf_counter())
+        other = self._pool.pick_decode(self._load, exclude=failed.name)
+        if other is None or other.name in tried:
+            return False
+        log.warning("decode %s %s: retrying %s on %s", failed.name, why, self.req.request_id,
+                    other.name)
+        self._metrics.fallbacks_total.labels("decode_retried").inc()
+        self.claim.move_to(other)
+        self.local_was_idle = self.local_was_idle and self.claim.was_idle
+        return True
 
     def _load(self, engine: Engine) -> float:
         return self._costs.load_tokens(engine.name, engine.foreign_requests,
@@ -272,9 +279,15 @@ class DecodeLeg:
         return headers
 
 
+async def _read_and_close(stream: EngineStream) -> bytes:
+    try:
+        return await stream.read_all()
+    finally:
+        stream.close()
+
+
 def estimate_header(plan: Plan) -> str | None:
-    """The predicted TTFT of each route and, with streams decoding beside, the longest gap
-    each would put between their tokens."""
+    """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them."""
     decision = plan.decision
     if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
         return None

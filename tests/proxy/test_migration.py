@@ -22,6 +22,7 @@ from tests.proxy.test_proxy_app import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     SHORT_S,
+    assert_error,
     chat_body,
     completions_body,
     metric,
@@ -152,6 +153,33 @@ async def test_a_stream_that_cannot_be_continued_keeps_the_engines_in_band_error
     (error,) = [e for e in events(resp.content) if "error" in e]
     assert error["error"]["code"] == 500
     assert decode2.decode_requests == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_decode_engine_answering_500_is_replaced_and_the_prompt_computed(engines, stream):
+    """vLLM answers 500 to a new request while its engine core is dead (until its server
+    exits): the request goes to the other decode engine, which computes the prompt itself (the
+    failed engine may have read the hand-off: its blocks may be reused by now)."""
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames, decode.decode_status = None, 500
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=stream))
+        assert resp.status_code == 200
+        assert await metric(client, "pd_fallbacks_total", reason="decode_retried") == 1
+        assert await metric(client, "pd_fallbacks_total", reason="handoff_maybe_read") == 1
+    text = text_of(events(resp.content)) if stream else resp.json()["choices"][0]["text"]
+    assert text == TEXT
+    assert len(decode.decode_requests) == len(decode2.decode_requests) == 1
+    assert "kv_transfer_params" in decode.decode_requests[0].body
+    assert "kv_transfer_params" not in decode2.decode_requests[0].body
+
+
+async def test_with_no_other_decode_engine_a_500_is_an_upstream_error(engines):
+    prefill, decode, _ = engines
+    decode.decode_drop_after_frames, decode.decode_status = None, 500
+    async with proxy(prefill, decode, decode_urls=(decode.url,)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+    assert_error(resp, 502, "upstream_error")
 
 
 async def test_the_client_that_asked_for_token_ids_gets_each_once(engines):
