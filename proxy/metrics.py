@@ -17,6 +17,7 @@ MIGRATION_REASONS = ("decode_lost", "decode_error", "decode_timeout")
 REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",
                    "overloaded_error", "timeout_error")
 DISCONNECT_STAGES = ("before_response", "after_prefill", "streaming")
+MIGRATION_STAGES = ("resumed", "first_token")
 
 
 class ProxyMetrics:
@@ -123,3 +124,5 @@ class ProxyMetrics:
                                 (self.client_disconnects_total, DISCONNECT_STAGES)):
             for label in labels:
                 counter.labels(label)
+        for stage in MIGRATION_STAGES:  # a dashboard reads "no migration", not "no data"
+            self.migration_seconds.labels(stage)
