@@ -101,9 +101,13 @@ class TokenizerPool:
     async def start(cls, model_dir: str, workers: int, inline_chars: int) -> TokenizerPool:
         """``inline_chars``: prompts of at most this many characters are measured in the
         caller's thread (``ProxyConfig.tokenizer_inline_chars``)."""
-        local = asyncio.create_task(asyncio.to_thread(_warm_tokenizer, model_dir))
+        # The workers first, the local tokenizer after: starting a process forks, and a fork
+        # while another thread imports (loading the tokenizer) can deadlock. Seen in CI: the
+        # fork's before-hooks held logging's lock and waited for the import lock, which the
+        # loading thread held while a garbage-collected logging handler waited for logging's.
         started = await asyncio.gather(*(_Worker.start(model_dir) for _ in range(workers)))
-        return cls(model_dir, await local, inline_chars, list(started))
+        local = await asyncio.to_thread(_warm_tokenizer, model_dir)
+        return cls(model_dir, local, inline_chars, list(started))
 
     async def measure(self, body: Mapping[str, Any], block_sizes: Sequence[int]
                       ) -> PromptTokens | None:
