@@ -1,22 +1,38 @@
-"""Node-aware placement on a real two-node Ray cluster on this machine (``ray.cluster_utils``:
-a head and a second node, each its own raylet): ``pdserve ray --prefill-on R --decode-on S``
-puts the prefill engine on the node that offers R and the decode engine on the one that offers
-S, and the deployment serves P/D across them. (Two machines, or a namespace node behind a
-shaped link, are issue 18's item 1: not this test.)"""
+"""Node-aware placement, and a node lost and back, on a real two-node Ray cluster on this machine
+(``ray.cluster_utils``: a head and a second node, each its own raylet and its own processes).
+
+- ``pdserve ray --prefill-on R --decode-on S`` puts the prefill engine on the node that offers R
+  and the decode engine on the one that offers S, and the deployment serves P/D across them.
+- The prefill engine's node is lost under streaming load (its raylet and every process on it
+  SIGKILLed): no request fails or hangs, the proxy marks the engine down, new requests are
+  served locally by the decode engine; the node comes back, Ray restarts the engine actor there,
+  and P/D resumes.
+
+Two machines, or a namespace node behind a shaped link (issue 18's item 1), are not this test:
+both nodes share this machine's address and filesystem, and KV goes over loopback TCP.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from harness.stack import start_ray
+from harness.routes import wait_for
+from harness.stack import Stack, start_ray
+from tests.e2e.test_zz_prefill_down import FALLBACK, UNAVAILABLE, sample
 
 PORT = 19100
+NAMESPACE = f"pdserve-placement-{os.getpid()}"
+PREFILL_NODE = {"num_cpus": 2, "resources": {"pd_test_prefill": 100}}
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def two_nodes():
     from ray.cluster_utils import Cluster
 
@@ -25,7 +41,7 @@ def two_nodes():
     # fails if the placement is ignored.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"pd_test_decode": 100}, "include_dashboard": False})
-    cluster.add_node(num_cpus=2, resources={"pd_test_prefill": 100})
+    cluster.add_node(**PREFILL_NODE)
     try:
         cluster.wait_for_nodes()
         yield cluster
@@ -33,30 +49,121 @@ def two_nodes():
         cluster.shutdown()
 
 
-def test_engines_go_to_the_nodes_that_offer_their_roles_resource(two_nodes, tmp_path):
-    import ray
-
-    namespace = f"pdserve-placement-{os.getpid()}"
-    stack = start_ray("tiny", port=PORT, log_dir=tmp_path, extra=[
-        "--address", two_nodes.address, "--namespace", namespace, "--prefill", "1",
-        "--decode", "1", "--prefill-on", "pd_test_prefill", "--decode-on", "pd_test_decode",
-        "--policy", "disaggregate", "--kv-cache-gib", "1", "--probe-tokens", ""])
+@pytest.fixture(scope="module")
+def placed(two_nodes, tmp_path_factory):
+    stack = start_ray("tiny", port=PORT, log_dir=tmp_path_factory.mktemp("placed"), extra=[
+        "--address", two_nodes.address, "--namespace", NAMESPACE,
+        "--prefill", "1", "--decode", "1", "--prefill-on", "pd_test_prefill",
+        "--decode-on", "pd_test_decode", "--policy", "disaggregate", "--kv-cache-gib", "1",
+        "--probe-tokens", ""])
     try:
-        ray.init(address=two_nodes.address, namespace=namespace, log_to_driver=False)
-        try:
-            nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-            placed = {role: ray.get(ray.get_actor(f"{role}-0").info.remote(), timeout=30)
-                      for role in ("prefill", "decode")}
-        finally:
-            ray.shutdown()
-        assert len(nodes) == 2
-        assert "pd_test_prefill" in nodes[placed["prefill"]["node_id"]]
-        assert "pd_test_decode" in nodes[placed["decode"]["node_id"]]
-        assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
-        r = httpx.post(stack.proxy_url + "/v1/completions", timeout=120, json={
-            "model": stack.model_name, "prompt": "The capital of France is", "max_tokens": 4,
-            "temperature": 0})
-        assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated", r.text
+        yield stack
     finally:
         left = stack.stop(timeout_s=120)
     assert not left, f"engine processes survived pdserve ray's SIGTERM: {left}"
+
+
+def engine_nodes(cluster) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(the live nodes' resources by node id, each role's engine info)."""
+    import ray
+
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        placed = {role: ray.get(ray.get_actor(f"{role}-0").info.remote(), timeout=30)
+                  for role in ("prefill", "decode")}
+    finally:
+        ray.shutdown()
+    return nodes, placed
+
+
+def test_engines_go_to_the_nodes_that_offer_their_roles_resource(two_nodes, placed):
+    nodes, engines = engine_nodes(two_nodes)
+    assert len(nodes) == 2
+    assert "pd_test_prefill" in nodes[engines["prefill"]["node_id"]]
+    assert "pd_test_decode" in nodes[engines["decode"]["node_id"]]
+    assert engines["prefill"]["node_id"] != engines["decode"]["node_id"]
+    r = httpx.post(placed.proxy_url + "/v1/completions", timeout=120, json={
+        "model": placed.model_name, "prompt": "The capital of France is", "max_tokens": 4,
+        "temperature": 0})
+    assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated", r.text
+
+
+def stream(stack: Stack, max_tokens: int) -> dict:
+    """One streamed completion through the proxy, as a client sees it. A read that waits over
+    60 s raises: a hung stream fails the test."""
+    sent = time.monotonic()
+    body = {"model": stack.model_name, "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as c, \
+            c.stream("POST", stack.proxy_url + "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        status, route = r.status_code, r.headers.get("x-pd-route")
+    events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])
+                if c.get("finish_reason")]
+    return {"sent": sent, "status": status, "route": route, "finishes": finishes,
+            "errors": [e for e in events if "error" in e],
+            "done": bool(lines) and lines[-1] == "data: [DONE]"}
+
+
+def prefill_healthy(stack: Stack) -> bool:
+    r = httpx.get(stack.proxy_url + "/pd/costs", timeout=10)
+    return r.json()["engines"]["prefill-0"]["healthy"]
+
+
+def metrics(stack: Stack) -> str:
+    return httpx.get(stack.proxy_url + "/metrics", timeout=10).text
+
+
+def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nodes, placed):
+    cluster = two_nodes
+    (worker,) = cluster.worker_nodes
+    assert prefill_healthy(placed)
+    before = metrics(placed)
+    results: list[dict] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        """Short streams, one after another, for as long as the test runs."""
+        while not stop.is_set():
+            results.append(stream(placed, 8))
+
+    with ThreadPoolExecutor(4) as pool:
+        # Long streams decoding on the head while the prefill node goes: they must not notice.
+        long: list[Future] = [pool.submit(stream, placed, 200) for _ in range(2)]
+        ticker = pool.submit(trickle)
+        try:
+            wait_for(lambda: len(results) >= 3, "the trickle to be served P/D", timeout_s=60)
+            lost = time.monotonic()
+            cluster.remove_node(worker, allow_graceful=False)
+            wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
+                     timeout_s=30)
+            marked_down_s = time.monotonic() - lost
+            down = time.monotonic()
+            wait_for(lambda: sum(r["sent"] > down for r in results) >= 3,
+                     "requests served while the node is gone", timeout_s=60)
+            back = time.monotonic()
+            cluster.add_node(**PREFILL_NODE)
+            wait_for(lambda: any(r["sent"] > back and r["route"] == "disaggregated"
+                                 for r in results),
+                     "P/D again once the node is back", timeout_s=300)
+            serving_again_s = time.monotonic() - back
+        finally:
+            stop.set()
+        ticker.result()
+        streams = [f.result() for f in long]
+    after = metrics(placed)
+    print(f"prefill node lost: marked down after {marked_down_s:.2f}s; node back: P/D again "
+          f"after {serving_again_s:.1f}s; {len(results)} short streams, "
+          f"{sample(after, FALLBACK) - sample(before, FALLBACK):.0f} of them sent to the lost "
+          "engine and computed by decode instead")
+    for r in [*streams, *results]:
+        assert r["status"] == 200 and r["done"] and not r["errors"], r
+        assert r["finishes"] == ["length"], r
+    assert all(r["route"] == "local" for r in results if down < r["sent"] < back), results
+    assert sample(after, UNAVAILABLE) > sample(before, UNAVAILABLE)
+    # The restarted engine is on the node that came back, and the deployment serves P/D.
+    nodes, engines = engine_nodes(cluster)
+    assert "pd_test_prefill" in nodes[engines["prefill"]["node_id"]]
+    assert engines["prefill"]["node_id"] != engines["decode"]["node_id"]
