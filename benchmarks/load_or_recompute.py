@@ -6,8 +6,16 @@ KV competes with recomputing it), then (1) one request through the proxy under `
 ``--repeats``). Policies are scored on the same direct measurements: `auto` (the proxy's
 choices), `disaggregate`, `local` and every `threshold:N` (the best single N is reported).
 
-Writes benchmarks/results/load_or_recompute.{json,png}. Needs root (network namespaces).
+With ``--two-nodes`` the same sweep runs on Ray across two nodes (``launch/netns_cluster.py``):
+the head in the root namespace with the decode engine, a worker node in a network namespace with
+the prefill engine, the shaped veth between them; ``pdserve ray --prefill-on --decode-on``. Each
+rate also records the proxy's link fit against the rate the decode engine's own NIXL metrics
+measured over the same probes.
+
+Writes benchmarks/results/load_or_recompute[_two_nodes].{json,png}. Needs root (network
+namespaces).
     python -m benchmarks.load_or_recompute [--rates 10,30,100,300,0] [--lengths 256,512,1024,2048]
+        [--two-nodes]
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from harness.routes import costs, run_case, wait_for
-from harness.stack import start_dev
+from harness.stack import start_dev, start_ray
+from launch.netns_cluster import NetnsRayCluster
 from launch.testbed import LinkSpec, ThrottledLink
 from transport.cost import LinkModel, PrefillModel, crossover_tokens
 
@@ -51,6 +62,24 @@ def wait_for_link_estimate(stack, rate_mbit: float) -> dict:
     return costs(stack)
 
 
+def nixl_totals(stack) -> tuple[float, float]:
+    """The decode engine's own NIXL counters: (bytes, seconds transferring)."""
+    text = httpx.get(stack.decode_url + "/metrics", timeout=10).text
+    got = dict.fromkeys(("vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_sum"),
+                        0.0)
+    for line in text.splitlines():
+        key = line.split("{", 1)[0]
+        if key in got:
+            got[key] += float(line.rsplit(" ", 1)[1])
+    return got["vllm:nixl_bytes_transferred_sum"], got["vllm:nixl_xfer_time_seconds_sum"]
+
+
+def nixl_rate(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    """Mbit/s over the transfers between two readings (None without any)."""
+    nbytes, seconds = after[0] - before[0], after[1] - before[1]
+    return nbytes * 8 / 1e6 / seconds if seconds > 0 else None
+
+
 def predicted_crossover(snapshot: dict, kvb: int) -> int | None:
     """Crossover from the live fits: remote prefill of a cached doc ~ free, vs local recompute."""
     link = LinkModel(**{k: v for k, v in next(iter(snapshot["links"].values())).items()
@@ -67,27 +96,63 @@ def main() -> int:
     ap.add_argument("--lengths", default="256,512,1024,2048")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=29000)
+    ap.add_argument("--reprobe-s", type=float, default=1.0,
+                    help="the proxy's link re-probe period (a probe that outlasts it overlaps "
+                         "the next one on a slow link)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="after the link estimate is in range, keep re-probing this long "
+                         "(recording the fit each second) before the cells")
+    ap.add_argument("--two-nodes", action="store_true",
+                    help="Ray, prefill on a worker node in a netns, decode on the head")
     args = ap.parse_args()
     rates = [float(x) for x in args.rates.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    log_dir = Path("/tmp/pdserve-bench-lor")
-    log(f"starting the testbed stack (logs in {log_dir}) ...")
-    stack = start_dev(
-        "tiny", port=args.port, engine_base_port=args.port + 100,
-        side_channel_base_port=args.port + 600, log_dir=log_dir, model_name="pdserve-tiny",
-        extra=["--policy", "auto", "--link-mbit", "0", "--kv-events-base-port",
-               str(args.port + 700), "--engine-dev-endpoints", "--reprobe-s", "1",
-               "--probe-tokens", "64,512,1536"],
-    )
-    stack.prefill_url = stack.run_info()["engines"][0]["url"]
-    link = ThrottledLink.attach()
+    name = "load_or_recompute_two_nodes" if args.two_nodes else "load_or_recompute"
+    log_dir = Path(f"/tmp/pdserve-bench-{name}")
+    probes = ["--reprobe-s", f"{args.reprobe_s:g}", "--probe-tokens", "64,512,1536"]
+    cluster = None
+    if args.two_nodes:
+        cluster = NetnsRayCluster(ThrottledLink("pdnode", 232), head_resource="pd_decode",
+                                  worker_resource="pd_prefill").start()
+        log(f"two Ray nodes: head {cluster.link.host_addr}, worker {cluster.link.ns_addr} "
+            f"in netns {cluster.link.netns}; starting pdserve ray (logs in {log_dir}) ...")
+        try:
+            stack = start_ray("tiny", port=args.port, log_dir=log_dir, env=cluster.auth_env,
+                              extra=["--address", cluster.address, "--namespace", "lor",
+                                     "--prefill", "1", "--decode", "1", "--prefill-on",
+                                     "pd_prefill", "--decode-on", "pd_decode", "--policy",
+                                     "auto", "--engine-dev-endpoints", *probes])
+        except BaseException:
+            cluster.stop()
+            raise
+        urls = {e["role"]: e["url"] for e in stack.engines().values()}
+        stack.prefill_url, stack.decode_url = urls["prefill"], urls["decode"]
+        link = cluster.link
+    else:
+        log(f"starting the testbed stack (logs in {log_dir}) ...")
+        stack = start_dev(
+            "tiny", port=args.port, engine_base_port=args.port + 100,
+            side_channel_base_port=args.port + 600, log_dir=log_dir, model_name="pdserve-tiny",
+            extra=["--policy", "auto", "--link-mbit", "0", "--kv-events-base-port",
+                   str(args.port + 700), "--engine-dev-endpoints", *probes],
+        )
+        stack.prefill_url = stack.run_info()["engines"][0]["url"]
+        link = ThrottledLink.attach()
     cells = []
     crossovers = []
     try:
         for rate in rates:
             link.set_rate(LinkSpec(rate or None))
+            nixl_before = nixl_totals(stack)
+            t_rate = time.monotonic()
             snapshot = wait_for_link_estimate(stack, rate)
+            trace = []
+            while time.monotonic() < t_rate + args.settle_s:
+                fit = next(iter(costs(stack)["links"].values()))
+                trace.append([round(time.monotonic() - t_rate, 1),
+                              fit["bytes_per_s"] * 8 / 1e6, fit["fixed_s"] * 1e3])
+                time.sleep(1.0)
             kvb = snapshot["kv_bytes_per_token"]
             measured_cross = None
             for i, n in enumerate(lengths):
@@ -99,23 +164,36 @@ def main() -> int:
                 if measured_cross is None and case["disaggregated"] < case["local"]:
                     measured_cross = n
                 log(f"{rate_label(rate):>12} {n:5d} tok: auto={case['route']:<13} "
-                    f"local={case['local'] * 1e3:7.1f}ms disagg={case['disaggregated'] * 1e3:7.1f}ms"
+                    f"local={case['local'] * 1e3:7.1f}ms "
+                    f"disagg={case['disaggregated'] * 1e3:7.1f}ms"
                     f" chosen/best={case[_key(case['route'])] / best:.2f}"
                     f" ({time.monotonic() - t0:.0f}s)")
+            after = costs(stack)
+            fit = next(iter(after["links"].values()))
+            nixl = nixl_rate(nixl_before, nixl_totals(stack))
             crossovers.append({"rate_mbit": rate,
                                "measured_first_disaggregated_length": measured_cross,
-                               "predicted_crossover_tokens": predicted_crossover(
-                                   costs(stack), kvb)})
+                               "predicted_crossover_tokens": predicted_crossover(after, kvb),
+                               "fit_mbit": fit["bytes_per_s"] * 8 / 1e6,
+                               "fit_fixed_ms": fit["fixed_s"] * 1e3,
+                               "nixl_mbit": nixl,
+                               "fit_trace_s_mbit_fixed_ms": trace})
+            log(f"{rate_label(rate):>12}: link fit {fit['bytes_per_s'] * 8 / 1e6:.1f} Mbit/s + "
+                f"{fit['fixed_s'] * 1e3:.1f} ms; the decode engine's NIXL metrics: "
+                f"{nixl if nixl is None else round(nixl, 1)} Mbit/s")
     finally:
         link.set_rate(LinkSpec(None))
         stack.stop()
+        if cluster is not None:
+            cluster.stop()
     summary = score(cells, lengths)
     summary["crossovers"] = crossovers
     out = {"cells": cells, "summary": summary, "rates_mbit": rates, "lengths": lengths,
            "machine": {"node": platform.node(), "python": platform.python_version()},
            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (RESULTS / "load_or_recompute.json").write_text(json.dumps(out, indent=2))
-    plot(cells, rates, lengths, RESULTS / "load_or_recompute.png")
+    out["layout"] = "ray, two nodes (netns worker)" if args.two_nodes else "dev (netns prefill)"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    plot(cells, rates, lengths, RESULTS / f"{name}.png")
     print_summary(summary)
     return 0
 
