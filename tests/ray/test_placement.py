@@ -1,15 +1,18 @@
 """Node-aware placement, and a node lost and back, on a real two-node Ray cluster on this machine
-(``ray.cluster_utils``: a head and a second node, each its own raylet and its own processes).
+(``launch/netns_cluster.py``): the head in the root network namespace, a worker node in a network
+namespace of its own, each with its own address, joined by the testbed's veth link.
 
 - ``pdserve ray --prefill-on R --decode-on S`` puts the prefill engine on the node that offers R
   and the decode engine on the one that offers S, and the deployment serves P/D across them.
-- The prefill engine's node is lost under streaming load (its raylet and every process on it
-  SIGKILLed): no request fails or hangs, the proxy marks the engine down, new requests are
-  served locally by the decode engine; the node comes back, Ray restarts the engine actor there,
-  and P/D resumes.
+  Each engine binds its own node's address, and KV crosses the link between them.
+- The prefill engine's node is lost under streaming load (every process in its namespace, the
+  raylet and the engine included, SIGKILLed at once): no request fails or hangs, the proxy marks
+  the engine down, new requests are served locally by the decode engine; the node comes back
+  (``ray start`` there again), Ray restarts the engine actor on it, and P/D resumes.
 
-Two machines, or a namespace node behind a shaped link (issue 18's item 1), are not this test:
-both nodes share this machine's address and filesystem, and KV goes over loopback TCP.
+Not issue 18's item 1 in full: the worker is not started by ``ray up`` over SSH, and it shares
+this machine's filesystem and venv. Needs root (network namespaces); under CI it fails instead of
+skipping.
 """
 
 from __future__ import annotations
@@ -19,39 +22,42 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from harness.routes import wait_for
 from harness.stack import Stack, start_ray
+from launch import testbed
+from launch.netns_cluster import NetnsRayCluster
 from tests.e2e.test_zz_prefill_down import FALLBACK, UNAVAILABLE, sample
 
+NIXL_BYTES = 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="pdserve-tiny"}'
 PORT = 19100
 NAMESPACE = f"pdserve-placement-{os.getpid()}"
-PREFILL_NODE = {"num_cpus": 2, "resources": {"pd_test_prefill": 100}}
+UNDER_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    # Prefill on the second node, decode on the head: the reverse of where Ray's default
+    if not testbed.available():
+        if UNDER_CI:
+            pytest.fail("CI=true but this machine cannot make network namespaces (root, ip, tc)")
+        pytest.skip("needs root to make network namespaces")
+    # Prefill on the worker node, decode on the head: the reverse of where Ray's default
     # scheduling puts them (the first actor on the driver's node, the head), so the test
     # fails if the placement is ignored.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"pd_test_decode": 100}, "include_dashboard": False})
-    cluster.add_node(**PREFILL_NODE)
-    try:
-        cluster.wait_for_nodes()
+    with NetnsRayCluster(testbed.ThrottledLink("pdplace", 233), head_resource="pd_test_decode",
+                         worker_resource="pd_test_prefill") as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
+    assert not cluster.worker_pids(), "processes left in the worker node's namespace"
 
 
 @pytest.fixture(scope="module")
 def placed(two_nodes, tmp_path_factory):
-    stack = start_ray("tiny", port=PORT, log_dir=tmp_path_factory.mktemp("placed"), extra=[
+    stack = start_ray("tiny", port=PORT, log_dir=tmp_path_factory.mktemp("placed"),
+                      env=two_nodes.auth_env, extra=[
         "--address", two_nodes.address, "--namespace", NAMESPACE,
         "--prefill", "1", "--decode", "1", "--prefill-on", "pd_test_prefill",
         "--decode-on", "pd_test_decode", "--policy", "disaggregate", "--kv-cache-gib", "1",
@@ -63,30 +69,21 @@ def placed(two_nodes, tmp_path_factory):
     assert not left, f"engine processes survived pdserve ray's SIGTERM: {left}"
 
 
-def engine_nodes(cluster) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(the live nodes' resources by node id, each role's engine info)."""
-    import ray
-
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-        placed = {role: ray.get(ray.get_actor(f"{role}-0").info.remote(), timeout=30)
-                  for role in ("prefill", "decode")}
-    finally:
-        ray.shutdown()
-    return nodes, placed
+def engine_hosts(stack: Stack) -> dict[str, str]:
+    """Each engine's host, as the proxy reaches it."""
+    return {name: urlsplit(e["url"]).hostname for name, e in stack.engines().items()}
 
 
 def test_engines_go_to_the_nodes_that_offer_their_roles_resource(two_nodes, placed):
-    nodes, engines = engine_nodes(two_nodes)
-    assert len(nodes) == 2
-    assert "pd_test_prefill" in nodes[engines["prefill"]["node_id"]]
-    assert "pd_test_decode" in nodes[engines["decode"]["node_id"]]
-    assert engines["prefill"]["node_id"] != engines["decode"]["node_id"]
+    link = two_nodes.link
+    assert engine_hosts(placed) == {"prefill-0": link.ns_addr, "decode-0": link.host_addr}
     r = httpx.post(placed.proxy_url + "/v1/completions", timeout=120, json={
         "model": placed.model_name, "prompt": "The capital of France is", "max_tokens": 4,
         "temperature": 0})
     assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated", r.text
+    # The KV crossed the link: the decode engine's NIXL read it from the other node.
+    engine_metrics = httpx.get(placed.engines()["decode-0"]["url"] + "/metrics", timeout=10)
+    assert sample(engine_metrics.text, NIXL_BYTES) > 0
 
 
 def stream(stack: Stack, max_tokens: int) -> dict:
@@ -118,7 +115,6 @@ def metrics(stack: Stack) -> str:
 
 def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nodes, placed):
     cluster = two_nodes
-    (worker,) = cluster.worker_nodes
     assert prefill_healthy(placed)
     before = metrics(placed)
     results: list[dict] = []
@@ -136,7 +132,7 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
         try:
             wait_for(lambda: len(results) >= 3, "the trickle to be served P/D", timeout_s=60)
             lost = time.monotonic()
-            cluster.remove_node(worker, allow_graceful=False)
+            cluster.lose_worker()
             wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
                      timeout_s=30)
             marked_down_s = time.monotonic() - lost
@@ -144,7 +140,7 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
             wait_for(lambda: sum(r["sent"] > down for r in results) >= 3,
                      "requests served while the node is gone", timeout_s=60)
             back = time.monotonic()
-            cluster.add_node(**PREFILL_NODE)
+            cluster.rejoin_worker()
             wait_for(lambda: any(r["sent"] > back and r["route"] == "disaggregated"
                                  for r in results),
                      "P/D again once the node is back", timeout_s=300)
@@ -163,7 +159,6 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
         assert r["finishes"] == ["length"], r
     assert all(r["route"] == "local" for r in results if down < r["sent"] < back), results
     assert sample(after, UNAVAILABLE) > sample(before, UNAVAILABLE)
-    # The restarted engine is on the node that came back, and the deployment serves P/D.
-    nodes, engines = engine_nodes(cluster)
-    assert "pd_test_prefill" in nodes[engines["prefill"]["node_id"]]
-    assert engines["prefill"]["node_id"] != engines["decode"]["node_id"]
+    # The restarted engine is on the node that came back.
+    assert engine_hosts(placed) == {"prefill-0": cluster.link.ns_addr,
+                                    "decode-0": cluster.link.host_addr}
