@@ -49,8 +49,9 @@ START_TIMEOUT_S = 120.0
 
 
 class NetnsRayCluster:
-    """``with NetnsRayCluster(link) as cluster:`` a head and a worker node, then ``ray stop`` and
-    the link destroyed. ``link`` is created here unless it already is."""
+    """``with NetnsRayCluster(link, ...) as cluster:`` a head and a worker node; on leaving, this
+    cluster's processes stopped and the link destroyed (when it was created here, which it is
+    unless it already was)."""
 
     def __init__(self, link: ThrottledLink, head_resource: str, worker_resource: str,
                  num_cpus: int = 2, gcs_port: int = GCS_PORT) -> None:
