@@ -131,6 +131,14 @@ class NetnsRayCluster:
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and (self.worker_pids() or self._session_pids()):
                 time.sleep(0.2)
+        # What `ray stop` does too: a later `ray.init()` with no address would otherwise read
+        # this dead cluster's address from the file that `ray start --head` wrote, and join it.
+        current = Path("/tmp/ray/ray_current_cluster")
+        try:
+            if current.read_text().strip() == self.address:
+                current.unlink()
+        except OSError:
+            pass
         if self._created_link:
             self.link.destroy()
 

@@ -60,13 +60,13 @@ class Reply:
 class Stream:
     route: str
     chunks: AsyncIterator[bytes | ProxyError]
-    headers: dict[str, str] = field(default_factory=dict)
-    #: The decode engine the chunks come from.
-    engine: str = ""
+    headers: dict[str, str]
+    #: The decode engine the chunks come from (a migration excludes it).
+    engine: str
     #: For a stream dropped before its first read (the client gone while the response headers
     #: were written): closing a generator that never started runs none of its cleanup, so this
     #: closes the decode request and releases its claim instead.
-    abandon: Callable[[], None] | None = None
+    abandon: Callable[[], None]
 
 
 class Orchestrator:

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -52,6 +53,9 @@ def two_nodes():
                          worker_resource="pd_test_prefill") as cluster:
         yield cluster
     assert not cluster.worker_pids(), "processes left in the worker node's namespace"
+    # A later local cluster (tests/ray's own) must not mistake this one for a running cluster.
+    current = Path("/tmp/ray/ray_current_cluster")
+    assert not current.exists() or current.read_text().strip() != cluster.address
 
 
 @pytest.fixture(scope="module")
