@@ -48,18 +48,24 @@ class _Worker:
 
     @classmethod
     async def start(cls, model_dir: str) -> _Worker:
-        proc = await asyncio.create_subprocess_exec(
+        return await (await cls.spawn(model_dir)).ready()
+
+    @classmethod
+    async def spawn(cls, model_dir: str) -> _Worker:
+        """The process, started; :meth:`ready` waits until it has loaded its tokenizer."""
+        return cls(await asyncio.create_subprocess_exec(
             sys.executable, "-m", "proxy.tokenizer_worker", model_dir, str(WORKER_NICE),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        worker = cls(proc)
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE))
+
+    async def ready(self) -> _Worker:
         try:
             async with asyncio.timeout(_START_TIMEOUT_S):
-                if await worker._read() != "ready":
+                if await self._read() != "ready":
                     raise RuntimeError("the tokenizer worker did not start")
         except BaseException:
-            await worker.stop()
+            await self.stop()
             raise
-        return worker
+        return self
 
     async def call(self, *request: Any) -> Any:
         assert self.proc.stdin is not None
@@ -101,13 +107,21 @@ class TokenizerPool:
     async def start(cls, model_dir: str, workers: int, inline_chars: int) -> TokenizerPool:
         """``inline_chars``: prompts of at most this many characters are measured in the
         caller's thread (``ProxyConfig.tokenizer_inline_chars``)."""
-        # The workers first, the local tokenizer after: starting a process forks, and a fork
-        # while another thread imports (loading the tokenizer) can deadlock. Seen in CI: the
-        # fork's before-hooks held logging's lock and waited for the import lock, which the
+        # The worker processes first, the local tokenizer after: starting a process forks, and
+        # a fork while another thread imports (loading the tokenizer) can deadlock. Seen in CI:
+        # the fork's before-hooks held logging's lock and waited for the import lock, which the
         # loading thread held while a garbage-collected logging handler waited for logging's.
-        started = await asyncio.gather(*(_Worker.start(model_dir) for _ in range(workers)))
-        local = await asyncio.to_thread(_warm_tokenizer, model_dir)
-        return cls(model_dir, local, inline_chars, list(started))
+        # Once all are forked, the local one loads while they load theirs (~4 s saved here).
+        spawned: list[_Worker] = []
+        try:
+            for _ in range(workers):
+                spawned.append(await _Worker.spawn(model_dir))
+            local, *started = await asyncio.gather(
+                asyncio.to_thread(_warm_tokenizer, model_dir), *(w.ready() for w in spawned))
+        except BaseException:
+            await asyncio.gather(*(w.stop() for w in spawned), return_exceptions=True)
+            raise
+        return cls(model_dir, local, inline_chars, started)
 
     async def measure(self, body: Mapping[str, Any], block_sizes: Sequence[int]
                       ) -> PromptTokens | None:

@@ -28,7 +28,7 @@ def tiny_stack(tmp_path_factory) -> Stack:
     with serving(
         start_dev, model="tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
         extra=["--policy", "disaggregate", "--reprobe-s", "0", "--kv-events-base-port", "15700",
-               "--kv-cache-gib", "1", *STAGE_DEADLINES], **TINY_PORTS,
+               "--kv-blocks", "512", *STAGE_DEADLINES], **TINY_PORTS,
     ) as stack:
         yield stack
 

@@ -31,7 +31,7 @@ def limited(tmp_path_factory) -> Stack:
         side_channel_base_port=15800, kv_events_base_port=15900,
         log_dir=tmp_path_factory.mktemp("limits-stack"), model_name="pdserve-tiny",
         env={"PDSERVE_API_KEY": KEY}, api_key=KEY,
-        extra=["--policy", "disaggregate", "--kv-cache-gib", "1", "--probe-tokens", "",
+        extra=["--policy", "disaggregate", "--kv-blocks", "512", "--probe-tokens", "",
                "--reprobe-s", "0", "--private-ops", "--max-inflight", "1", "--max-queued", "1",
                "--queue-timeout-s", "60", "--headers-deadline-s", "3",
                "--total-deadline-s", str(TOTAL_DEADLINE_S)],

@@ -1,5 +1,6 @@
 """With the prefill engine gone, requests still succeed, served locally, and it is counted; a
-hand-off whose KV died with it is recomputed by decode; then the decode engine dies mid-stream.
+hand-off whose KV died with it is recomputed by decode; then the decode engine dies mid-stream,
+and dev mode brings both back (restarting them at once: one engine start less to wait for).
 
 Runs last in the package (file name): it kills the shared stack's engines.
 """
@@ -22,6 +23,8 @@ from transport import kv_params
 
 FALLBACK = 'pd_fallbacks_total{reason="prefill_unreachable"}'
 UNAVAILABLE = 'pd_decisions_total{reason="prefill_unavailable",route="local"}'
+#: The decode engine's process group when a test killed it, for the restart test to compare.
+KILLED: dict[str, int] = {}
 
 
 def sample(metrics: str, series: str) -> float:
@@ -99,6 +102,33 @@ def test_prefill_down_serves_local(tiny_stack):
         assert after["local_compute"] - before["local_compute"] >= 600 - 16
 
 
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):
+    """The last engine crashes mid-answer (the prefill engine is down or restarting after the
+    test above: dev mode restarts both at once, and the tests below wait for them). The client
+    gets an in-band error event and the stream closes within seconds (never a hang); /health
+    says not ready."""
+    body = {"model": tiny_stack.model_name, "max_tokens": 3000, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "count to a thousand"}]}
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", tiny_stack.proxy_url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        KILLED["decode"] = tiny_stack.engine_pid("decode")
+        os.killpg(KILLED["decode"], signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [ln for ln in lines if ln]
+        ended_after = time.monotonic() - t0
+    assert rest[-2:-1] and '"error"' in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["type"] == "upstream_error"
+    assert ended_after < 5, ended_after
+    assert httpx.get(tiny_stack.proxy_url + "/health", timeout=5).status_code == 503
+    metrics = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=5).text
+    assert 'pd_stream_errors_total{reason="decode_lost"} 1.0' in metrics
+
+
 def wait_back(stack, client: httpx.Client, name: str, timeout_s: float = 300) -> None:
     """Until the proxy sees engine ``name`` healthy and warmed up again."""
     deadline = time.monotonic() + timeout_s
@@ -122,6 +152,7 @@ def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
         time.sleep(3)  # the proxy's 1 s health probe sees it down
     with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
         wait_back(tiny_stack, client, "prefill-0")
+        wait_back(tiny_stack, client, "decode-0")  # killed by the test above
         pid = tiny_stack.engine_pid("prefill")
         assert os.path.exists(f"/proc/{pid}"), "run.json names the restarted engine"
         assert client.get(tiny_stack.proxy_url + "/health").status_code == 200
@@ -139,42 +170,16 @@ def test_prefill_restarted_by_dev_mode_serves_pd_again(tiny_stack):
     assert "restarted" in tiny_stack.output()
 
 
-def test_zz_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):
-    """The last engine crashes mid-answer: the client gets an in-band error event and the
-    stream closes within seconds (never a hang); /health says not ready."""
-    body = {"model": tiny_stack.model_name, "max_tokens": 3000, "ignore_eos": True,
-            "stream": True, "messages": [{"role": "user", "content": "count to a thousand"}]}
-    with httpx.Client(timeout=30) as c, c.stream(
-            "POST", tiny_stack.proxy_url + "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: {"):
-                break
-        os.killpg(tiny_stack.engine_pid("decode"), signal.SIGKILL)
-        t0 = time.monotonic()
-        rest = [ln for ln in lines if ln]
-        ended_after = time.monotonic() - t0
-    assert rest[-2:-1] and '"error"' in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
-    assert json.loads(rest[-2].removeprefix("data: "))["error"]["type"] == "upstream_error"
-    assert ended_after < 5, ended_after
-    assert httpx.get(tiny_stack.proxy_url + "/health", timeout=5).status_code == 503
-    metrics = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=5).text
-    assert 'pd_stream_errors_total{reason="decode_lost"} 1.0' in metrics
-
-
-def test_zzz_decode_restarted_by_dev_mode_serves_pd_again(tiny_stack):
+def test_zz_decode_restarted_by_dev_mode_serves_pd_again(tiny_stack):
     """Dev mode restarted the killed decode engine (``launch/supervisor.py``: same ports, new
     process). The proxy saw it come back and warmed the pair up before users; /health is 200
     again and a request is disaggregated, its KV pulled by the new engine over NIXL."""
     # Run alone (the decode never killed): kill it here.
-    view = httpx.get(tiny_stack.proxy_url + "/pd/costs", timeout=10).json()["engines"]
-    killed = tiny_stack.engine_pid("decode")
-    if view["decode-0"]["healthy"] and sample(
-            httpx.get(tiny_stack.proxy_url + "/metrics", timeout=10).text,
-            'pd_stream_errors_total{reason="decode_lost"}') == 0:
-        os.killpg(killed, signal.SIGKILL)
+    if "decode" not in KILLED:
+        KILLED["decode"] = tiny_stack.engine_pid("decode")
+        os.killpg(KILLED["decode"], signal.SIGKILL)
         time.sleep(3)  # the proxy's 1 s health probe sees it down
+    killed = KILLED["decode"]
     with httpx.Client(timeout=60, headers=tiny_stack.engine_headers) as client:
         wait_back(tiny_stack, client, "decode-0")
         pid = tiny_stack.engine_pid("decode")

@@ -14,8 +14,8 @@ def pool_stack(tmp_path_factory) -> Stack:
     with serving(
         start_dev, model="tiny", port=18500, engine_base_port=18600, side_channel_base_port=16600,
         log_dir=tmp_path_factory.mktemp("pool-stack"), model_name="pdserve-tiny",
-        extra=["--layout", "aggregated", "--kv-events-base-port", "16700", "--kv-cache-gib",
-               "1", "--reprobe-s", "0"],
+        extra=["--layout", "aggregated", "--kv-events-base-port", "16700", "--kv-blocks",
+               "512", "--reprobe-s", "0"],
     ) as stack:
         yield stack
 

@@ -37,7 +37,7 @@ def obs_stack(tmp_path_factory, otlp) -> Stack:
         side_channel_base_port=14600, kv_events_base_port=14700,
         log_dir=tmp_path_factory.mktemp("obs-stack"), model_name="pdserve-tiny",
         extra=["--observability", "--prometheus-port", str(PROMETHEUS_PORT),
-               "--scrape-interval-s", "1", "--kv-cache-gib", "1", "--offload-gib", "0.25",
+               "--scrape-interval-s", "1", "--kv-blocks", "512", "--offload-gib", "0.25",
                "--slo-ttft-ms", "2000", "--slo-itl-ms", "500", "--probe-tokens", "64,256",
                "--reprobe-s", "0", "--otlp-traces-endpoint", otlp.endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",

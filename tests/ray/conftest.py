@@ -29,7 +29,7 @@ def ray_stack(tmp_path_factory, otlp) -> Stack:
         "tiny", port=PORT, log_dir=tmp_path_factory.mktemp("ray-stack"),
         extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
                "--namespace", f"pdserve-test-{os.getpid()}", "--policy", "disaggregate",
-               "--kv-cache-gib", "1", "--probe-tokens", "",
+               "--kv-blocks", "512", "--probe-tokens", "",
                "--otlp-traces-endpoint", otlp.endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
              "OTEL_BSP_SCHEDULE_DELAY": "200"})  # export every 0.2 s, not 5 s

@@ -64,7 +64,7 @@ def placed(two_nodes, tmp_path_factory):
                       env=two_nodes.auth_env, extra=[
         "--address", two_nodes.address, "--namespace", NAMESPACE,
         "--prefill", "1", "--decode", "1", "--prefill-on", "pd_test_prefill",
-        "--decode-on", "pd_test_decode", "--policy", "disaggregate", "--kv-cache-gib", "1",
+        "--decode-on", "pd_test_decode", "--policy", "disaggregate", "--kv-blocks", "512",
         "--probe-tokens", ""])
     try:
         yield stack

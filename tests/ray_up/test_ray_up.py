@@ -116,7 +116,7 @@ def cluster_file(tmp_path: Path, key: Path, ssh_port: int) -> Path:
     start = [c.replace("--port=6379", f"--port={gcs_port} --num-cpus=4")
              for c in config["head_start_ray_commands"]]
     start = [c.replace("--host 0.0.0.0 --port 8000",
-                       f"--host 127.0.0.1 --port {PROXY_PORT} --model tiny --kv-cache-gib 1 "
+                       f"--host 127.0.0.1 --port {PROXY_PORT} --model tiny --kv-blocks 512 "
                        "--policy disaggregate --probe-tokens ''")
              .replace("~/pdserve.log", str(tmp_path / "pdserve.log")) for c in start]
     assert any(f"--port {PROXY_PORT}" in c for c in start), start
