@@ -116,12 +116,13 @@ class TokenizerPool:
         try:
             for _ in range(workers):
                 spawned.append(await _Worker.spawn(model_dir))
-            local, *started = await asyncio.gather(
-                asyncio.to_thread(_warm_tokenizer, model_dir), *(w.ready() for w in spawned))
+            local, started = await asyncio.gather(
+                asyncio.to_thread(_warm_tokenizer, model_dir),
+                asyncio.gather(*(w.ready() for w in spawned)))
         except BaseException:
             await asyncio.gather(*(w.stop() for w in spawned), return_exceptions=True)
             raise
-        return cls(model_dir, local, inline_chars, started)
+        return cls(model_dir, local, inline_chars, list(started))
 
     async def measure(self, body: Mapping[str, Any], block_sizes: Sequence[int]
                       ) -> PromptTokens | None:
