@@ -471,6 +471,18 @@ class ThrottledLink:
         if not _same(shown, spec):
             raise TestbedError(f"set_rate({spec}) on {self._name!r}: tc shows {shown}")
 
+    def cut(self) -> None:
+        """Drop every packet both ways, silently, as a partition between two hosts looks to
+        each: nothing answers and nothing refuses (a connect times out, an open connection
+        waits). A tbf no packet fits through (a 1-byte bucket), because this kernel has neither
+        netem's loss nor a drop action. ``set_rate`` heals it."""
+        if not self._created:
+            raise TestbedError(f"cut() on {self._name!r} before create()")
+        for side, dev in (("h", self.host_device), ("n", self.ns_device)):
+            _run([*self._tc(side), "qdisc", "replace", "dev", dev, "root", "handle",
+                  ROOT_HANDLE, "tbf", "rate", "8bit", "burst", "1", "limit", "1"])
+        self._spec = self.read_spec()
+
     def read_spec(self) -> LinkSpec:
         """The shaping ``tc`` shows now on both ends (raises if the two ends disagree)."""
         specs = {_parse_spec(_run([*self._tc(side), "qdisc", "show", "dev", dev, "root"]).stdout)

@@ -3,6 +3,9 @@ load its own metrics report (read each probe, ``transport.engine_metrics``)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +54,10 @@ class Engine:
     warming: bool = False
     #: What it is asked to do now ("prefill", "decode"); by default all its role can do.
     duties: frozenset[str] = frozenset()
+    #: Tasks waiting on it for a whole reply (:meth:`given_up_when_down`), and those of them
+    #: cancelled because it was marked down.
+    _waiting: set[asyncio.Task] = field(default_factory=set, repr=False)
+    _given_up: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if not self.duties:
@@ -93,6 +100,38 @@ class Engine:
     @property
     def name(self) -> str:
         return self.client.name
+
+    @contextlib.contextmanager
+    def given_up_when_down(self) -> Iterator[None]:
+        """Wait on the engine inside this block, and stop waiting when it is marked down: the
+        block then raises :class:`EngineLost` (its await cancelled, which closes the request and
+        makes the engine abort it if it ever reads again). Without this, a request sent to an
+        engine that went silent (a cut link: nothing answers, nothing refuses) would wait out
+        its whole deadline although the proxy already knows the engine is gone."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if task not in self._given_up:
+                raise
+            task.uncancel()
+            raise EngineLost(f"{self.name} was marked down while it had the request") from None
+        finally:
+            self._waiting.discard(task)
+            self._given_up.discard(task)
+
+    def give_up_waiting(self) -> None:
+        """Make every :meth:`given_up_when_down` block waiting on the engine raise EngineLost
+        (it was marked down)."""
+        for task in self._waiting - self._given_up:
+            self._given_up.add(task)
+            task.cancel()
+
+
+class EngineLost(Exception):
+    """The engine was marked down while a request waited on it."""
 
 
 @dataclass(frozen=True)

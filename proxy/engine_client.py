@@ -101,7 +101,8 @@ class EngineClient:
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"engine URL must be http://host:port, got {base_url!r}")
         self._prefix = url.path
-        self._pool = session.pool(url.hostname, url.port or 80)
+        self._address = (url.hostname, url.port or 80)
+        self._pool = session.pool(*self._address)
 
     def __repr__(self) -> str:
         return f"EngineClient({self.name!r}, {self.base_url!r})"
@@ -155,6 +156,19 @@ class EngineClient:
             raise EngineTimeout(f"{self.name} {path} timed out") from exc
         except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
+
+
+    async def connects(self, timeout_s: float) -> bool:
+        """Whether a new TCP connection to the engine opens within ``timeout_s`` (closed at
+        once). A busy engine's kernel accepts one even while its server is slow to answer; a
+        host cut off from this one does not."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(*self._address)
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return True
 
 
 _decode = msgspec.json.Decoder().decode

@@ -200,6 +200,8 @@ class EnginePool:
         came_up = healthy and not engine.healthy
         if came_up:
             log.info("engine %s (%s) is up", engine.name, engine.role)
+        if engine.healthy and not healthy:
+            engine.give_up_waiting()
         engine.healthy = healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
         self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
@@ -219,9 +221,12 @@ class EnginePool:
             ok = False
         except EngineTimeout:
             # A busy engine can answer a probe late; only a run of slow probes takes it out
-            # (a refused connection or a failed request still marks it down at once).
+            # (a refused connection or a failed request still marks it down at once). Its
+            # kernel still accepts a new connection, though: when not even that opens, the
+            # engine is cut off (a partition, a host gone silent), and it is down now.
             engine.slow_probes += 1
-            if engine.healthy and engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN:
+            if (engine.healthy and engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN
+                    and await engine.client.connects(self._health_timeout_s)):
                 return True
             ok = False
         else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
+from proxy.engine import EngineLost
 from proxy.engine_bodies import prefill_body
 from proxy.engine_client import EngineTimeout, EngineUnreachable
 from proxy.errors import from_engine_error
@@ -51,9 +52,10 @@ class PrefillLeg:
                                    route="disaggregated")
                     if req.spans is not None else None)
             try:
-                reply = await prefill.client.post_json(
-                    req.path, prefill_body(req.body, req.kv_limits), headers,
-                    self.deadlines.prefill_s)
+                with prefill.given_up_when_down():
+                    reply = await prefill.client.post_json(
+                        req.path, prefill_body(req.body, req.kv_limits), headers,
+                        self.deadlines.prefill_s)
                 if 400 <= reply.status < 500:
                     raise from_engine_error(reply.status, reply.body)
                 if reply.status != 200:
@@ -62,6 +64,8 @@ class PrefillLeg:
             except EngineUnreachable:
                 self.pool.mark_down(prefill)
                 return self._fallback("prefill_unreachable")
+            except EngineLost:  # marked down by a probe (or another request) meanwhile
+                return self._fallback("prefill_lost")
             except EngineTimeout:
                 return self._fallback("prefill_timeout")
             except kv_params.HandoffError:

@@ -168,6 +168,51 @@ def test_both_sides_reach_each_other(link: ThrottledLink) -> None:
                 client.wait(5)
 
 
+def test_a_cut_link_is_silent_both_ways_and_set_rate_heals_it(link, unthrottled_after) -> None:
+    """Cut: a connect from either side times out (no refusal, no error: a partition); an open
+    connection's data does not arrive. Healed: both work again, on the same connection too."""
+    import socket
+
+    def connect_from_netns(port: int) -> subprocess.CompletedProcess:
+        return subprocess.run(link.wrap([sys.executable, "-c", (
+            "import socket,sys\n"
+            "try:\n"
+            "    socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=2)\n"
+            "    print('connected')\n"
+            "except TimeoutError:\n"
+            "    print('timed out')\n"
+        ), link.host_addr, str(port)]), capture_output=True, text=True, timeout=20)
+
+    with socket.socket() as srv:
+        srv.bind((link.host_addr, 0))
+        srv.listen(8)
+        port = srv.getsockname()[1]
+        open_conn = subprocess.Popen(link.wrap([sys.executable, "-c", (
+            "import socket,sys\n"
+            "c=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=30)\n"
+            "print('open',flush=True); print(c.recv(100).decode(),flush=True)\n"
+        ), link.host_addr, str(port)]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert open_conn.stdout.readline().strip() == "open"
+            conn, _ = srv.accept()
+            link.cut()
+            assert connect_from_netns(port).stdout.strip() == "timed out"
+            with pytest.raises(TimeoutError):
+                socket.create_connection((link.ns_addr, 22), timeout=2)
+            conn.sendall(b"sent while cut")
+            time.sleep(1)
+            link.set_rate(LinkSpec(None))
+            assert link.read_spec() == LinkSpec(None)
+            # TCP retransmits what waited: the open connection carries on once healed.
+            assert open_conn.stdout.readline().strip() == "sent while cut"
+            conn.close()
+            assert connect_from_netns(port).stdout.strip() == "connected"
+        finally:
+            if open_conn.poll() is None:
+                open_conn.kill()
+            open_conn.wait(5)
+
+
 def test_netns_cannot_reach_anywhere_else(link: ThrottledLink) -> None:
     # "Network is unreachable" at connect time: no packet leaves (no route), nothing is sent.
     r = subprocess.run(link.wrap([sys.executable, "-c", (

@@ -150,25 +150,6 @@ def test_link_fit_follows_a_link_that_slows_down():
     assert fit.model().bytes_per_s < 10e6
 
 
-async def test_one_slow_health_probe_does_not_take_an_engine_out():
-    from proxy.engine_client import EngineTimeout
-    from proxy.metrics import ProxyMetrics
-    from proxy.pool import SLOW_PROBES_TO_MARK_DOWN, EnginePool
-
-    class SlowClient:
-        name, base_url = "decode-0", "http://x"
-
-        async def get_text(self, path, timeout_s):
-            raise EngineTimeout("slow")
-
-    pool = EnginePool([], [SlowClient()], ProxyMetrics())
-    (engine,) = pool.decode
-    engine.healthy = True
-    for _ in range(SLOW_PROBES_TO_MARK_DOWN - 1):
-        assert await pool.probe(engine) is True and engine.healthy
-    assert await pool.probe(engine) is False and not engine.healthy
-
-
 def test_link_fit_follows_a_link_that_recovers_within_two_hand_overs():
     """Slow for a long time, then fast: two surprising hand-overs reset the fit, so the
     prediction for a long prompt is right again at once (not dragged by the slow past)."""

@@ -5,6 +5,9 @@ namespace of its own, each with its own address, joined by the testbed's veth li
 - ``pdserve ray --prefill-on R --decode-on S`` puts the prefill engine on the node that offers R
   and the decode engine on the one that offers S, and the deployment serves P/D across them.
   Each engine binds its own node's address, and KV crosses the link between them.
+- The link to the prefill engine's node is cut, silently, under streaming load: the proxy takes
+  the engine out within a probe round and releases the requests waiting on it to the decode
+  engine; healed, the same engine serves P/D again in seconds.
 - The prefill engine's node is lost under streaming load (every process in its namespace, the
   raylet and the engine included, SIGKILLed at once): no request fails or hangs, the proxy marks
   the engine down, new requests are served locally by the decode engine; the node comes back
@@ -34,6 +37,7 @@ from launch import testbed
 from launch.netns_cluster import NetnsRayCluster
 from tests.e2e.test_zz_prefill_down import FALLBACK, UNAVAILABLE, sample
 
+LOST = 'pd_fallbacks_total{reason="prefill_lost"}'
 NIXL_BYTES = 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="pdserve-tiny"}'
 PORT = 19100
 NAMESPACE = f"pdserve-placement-{os.getpid()}"
@@ -103,8 +107,8 @@ def stream(stack: Stack, max_tokens: int) -> dict:
     events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
     finishes = [c["finish_reason"] for e in events for c in e.get("choices", [])
                 if c.get("finish_reason")]
-    return {"sent": sent, "status": status, "route": route, "finishes": finishes,
-            "errors": [e for e in events if "error" in e],
+    return {"sent": sent, "took": time.monotonic() - sent, "status": status, "route": route,
+            "finishes": finishes, "errors": [e for e in events if "error" in e],
             "done": bool(lines) and lines[-1] == "data: [DONE]"}
 
 
@@ -115,6 +119,84 @@ def prefill_healthy(stack: Stack) -> bool:
 
 def metrics(stack: Stack) -> str:
     return httpx.get(stack.proxy_url + "/metrics", timeout=10).text
+
+
+def prefill_instance(stack: Stack) -> str:
+    """Which incarnation of the prefill engine the proxy sees (changes when it restarts)."""
+    return httpx.get(stack.proxy_url + "/pd/costs", timeout=10).json()[
+        "engines"]["prefill-0"]["instance"]
+
+
+def test_a_cut_link_is_routed_around_within_a_probe_round_and_heals_in_seconds(two_nodes,
+                                                                                placed):
+    """The link to the prefill engine's node cut silently (a partition: nothing answers,
+    nothing refuses) under streaming load. The proxy marks the engine down within a probe
+    round (its /health times out, then not even a new connection opens), and the requests
+    already waiting on it go local at that moment (``pd_fallbacks_total{reason="prefill_lost"}``)
+    rather than when their connections fail: here after 8 s, when the veth's neighbour entry
+    fails; across a router, never before the 120-s prefill deadline. New ones go local. The link
+    healed, the same engine process (the cut was too short for Ray to drop the node) serves
+    P/D again within seconds: nothing to restart."""
+    link = two_nodes.link
+    wait_for(lambda: prefill_healthy(placed), "prefill up", timeout_s=120)
+    instance = prefill_instance(placed)
+    before = metrics(placed)
+    results: list[dict] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            results.append(stream(placed, 8))
+
+    with ThreadPoolExecutor(4) as pool:
+        long: list[Future] = [pool.submit(stream, placed, 200) for _ in range(2)]
+        ticker = pool.submit(trickle)
+        try:
+            wait_for(lambda: len(results) >= 3, "the trickle to be served P/D", timeout_s=60)
+            cut = time.monotonic()
+            link.cut()
+            # Sent before any probe can notice: it waits on the prefill engine (the trickle's
+            # request in flight may be past its prefill, pulling KV).
+            caught_at_once = pool.submit(stream, placed, 8)
+            try:
+                wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
+                         timeout_s=60)
+                marked_down_s = time.monotonic() - cut
+                down = time.monotonic()
+                wait_for(lambda: sum(r["sent"] > down for r in results) >= 3,
+                         "requests served while the link is cut", timeout_s=60)
+                # Still cut: without the release it waits for its connection to fail.
+                wait_for(caught_at_once.done, "the request sent at the cut to be answered",
+                         timeout_s=30)
+            finally:
+                healed = time.monotonic()
+                link.set_rate(testbed.UNTHROTTLED)
+            wait_for(lambda: any(r["sent"] > healed and r["route"] == "disaggregated"
+                                 for r in results),
+                     "P/D again once the link is healed", timeout_s=120)
+            serving_again_s = time.monotonic() - healed
+        finally:
+            stop.set()
+        ticker.result()
+        streams = [f.result() for f in long]
+        results.append(caught_at_once.result())
+    after = metrics(placed)
+    caught = [r for r in results if cut - 1 < r["sent"] < down]
+    print(f"link cut: prefill marked down after {marked_down_s:.2f}s; requests caught by the "
+          f"cut took {sorted(round(r['took'], 2) for r in caught)}s; healed: P/D again after "
+          f"{serving_again_s:.1f}s; routes {[r['route'] for r in caught]}; fallbacks "
+          f"{[ln for ln in after.splitlines() if ln.startswith('pd_fallbacks_total')]}")
+    for r in [*streams, *results]:
+        assert r["status"] == 200 and r["done"] and not r["errors"], r
+        assert r["finishes"] == ["length"], r
+    # Released when the engine was marked down, not at the prefill deadline (120 s).
+    lost = sample(after, LOST) - sample(before, LOST)
+    assert lost >= 1, "no request was waiting on the prefill engine when it was cut off"
+    assert caught_at_once.result()["route"] == "local"
+    assert caught_at_once.result()["took"] < marked_down_s + 5
+    assert all(r["took"] < marked_down_s + 15 for r in caught), caught
+    assert all(r["route"] == "local" for r in results if down < r["sent"] < healed), results
+    assert prefill_instance(placed) == instance, "the engine was restarted: nothing to heal"
 
 
 def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nodes, placed):

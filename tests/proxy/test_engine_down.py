@@ -1,0 +1,103 @@
+"""When the proxy takes an engine out, and what happens to requests waiting on it then.
+
+A slow health probe alone does not take an engine out (a busy engine answers late), unless not
+even a new TCP connection to it opens (a host cut off: nothing answers, nothing refuses). Marked
+down, an engine releases every request waiting on it for a whole reply (a prefill): the prefill
+leg falls back to the decode engine at once instead of waiting out its deadline.
+The real counterpart: ``tests/ray/test_placement.py``'s cut link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.engine import EngineLost
+from proxy.engine_client import EngineTimeout
+from proxy.metrics import ProxyMetrics
+from proxy.pool import SLOW_PROBES_TO_MARK_DOWN, EnginePool
+
+
+class SlowClient:
+    """An engine whose probes time out; ``reachable``: whether a new connection opens."""
+
+    name, base_url = "prefill-0", "http://x"
+
+    def __init__(self, reachable: bool):
+        self.reachable = reachable
+        self.connect_checks = 0
+
+    async def get_text(self, path, timeout_s):
+        raise EngineTimeout("slow")
+
+    async def connects(self, timeout_s):
+        self.connect_checks += 1
+        return self.reachable
+
+
+def pool_of(client) -> EnginePool:
+    pool = EnginePool([client], [], ProxyMetrics())
+    pool.prefill[0].healthy = True
+    return pool
+
+
+async def test_slow_probes_of_an_engine_that_accepts_connections_take_it_out_only_in_a_row():
+    pool = pool_of(SlowClient(reachable=True))
+    (engine,) = pool.prefill
+    for _ in range(SLOW_PROBES_TO_MARK_DOWN - 1):
+        assert await pool.probe(engine) is True and engine.healthy
+    assert await pool.probe(engine) is False and not engine.healthy
+
+
+async def test_a_slow_probe_of_an_engine_no_connection_reaches_takes_it_out_at_once():
+    client = SlowClient(reachable=False)
+    pool = pool_of(client)
+    (engine,) = pool.prefill
+    assert await pool.probe(engine) is False and not engine.healthy
+    assert client.connect_checks == 1
+
+
+async def waiting_on(engine, entered: asyncio.Event) -> str:
+    with engine.given_up_when_down():
+        entered.set()
+        await asyncio.sleep(60)
+    return "answered"
+
+
+async def test_marked_down_an_engine_releases_the_requests_waiting_on_it():
+    pool = pool_of(SlowClient(reachable=False))
+    (engine,) = pool.prefill
+    entered = [asyncio.Event() for _ in range(2)]
+    waiters = [asyncio.create_task(waiting_on(engine, e)) for e in entered]
+    for e in entered:
+        await e.wait()
+    await pool.probe(engine)
+    for w in waiters:
+        with pytest.raises(EngineLost):
+            await asyncio.wait_for(w, 5)
+    assert not engine._waiting and not engine._given_up  # nothing kept
+
+
+async def test_a_waiter_cancelled_for_its_own_reasons_is_cancelled_not_given_up():
+    """The client hung up: the cancellation goes on up (the request is aborted), even when the
+    engine is marked down in the same breath."""
+    pool = pool_of(SlowClient(reachable=False))
+    (engine,) = pool.prefill
+    entered = asyncio.Event()
+    waiter = asyncio.create_task(waiting_on(engine, entered))
+    await entered.wait()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await pool.probe(engine)  # marked down after: nothing left to give up
+    assert not engine._waiting and not engine._given_up
+
+
+async def test_an_engine_already_down_releases_nothing_new_and_a_later_wait_runs_to_its_end():
+    pool = pool_of(SlowClient(reachable=False))
+    (engine,) = pool.prefill
+    await pool.probe(engine)
+    assert not engine.healthy
+    with engine.given_up_when_down():
+        await asyncio.sleep(0)  # no mark-down happens while it waits: it finishes normally
