@@ -20,11 +20,14 @@ skipping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -127,6 +130,51 @@ def prefill_instance(stack: Stack) -> str:
         "engines"]["prefill-0"]["instance"]
 
 
+@dataclass
+class Load:
+    """Streams through the proxy while a test breaks something: two long ones (decoding on the
+    head, which nothing here touches) and short ones one after another."""
+
+    pool: ThreadPoolExecutor
+    short: list[dict] = field(default_factory=list)
+    long: list[Future] = field(default_factory=list)
+
+    def since(self, t: float) -> list[dict]:
+        return [r for r in self.short if r["sent"] > t]
+
+    def everything(self) -> list[dict]:
+        """Every stream, once the load is over."""
+        return [*(f.result() for f in self.long), *self.short]
+
+
+@contextlib.contextmanager
+def streaming_load(stack: Stack) -> Iterator[Load]:
+    """The load, running from the first three short streams served until the block ends."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        load = Load(pool)
+        load.long = [pool.submit(stream, stack, 200) for _ in range(2)]
+
+        def trickle() -> None:
+            while not stop.is_set():
+                load.short.append(stream(stack, 8))
+
+        ticker = pool.submit(trickle)
+        try:
+            wait_for(lambda: len(load.short) >= 3, "the trickle to be served P/D", timeout_s=60)
+            yield load
+        finally:
+            stop.set()
+        ticker.result()
+
+
+def assert_all_whole(streams: list[dict]) -> None:
+    """200, one ``finish_reason`` (the length asked), ``[DONE]``, no error event."""
+    for r in streams:
+        assert r["status"] == 200 and r["done"] and not r["errors"], r
+        assert r["finishes"] == ["length"], r
+
+
 def test_a_cut_link_is_routed_around_within_a_probe_round_and_heals_in_seconds(two_nodes,
                                                                                 placed):
     """The link to the prefill engine's node cut silently (a partition: nothing answers,
@@ -141,61 +189,40 @@ def test_a_cut_link_is_routed_around_within_a_probe_round_and_heals_in_seconds(t
     wait_for(lambda: prefill_healthy(placed), "prefill up", timeout_s=120)
     instance = prefill_instance(placed)
     before = metrics(placed)
-    results: list[dict] = []
-    stop = threading.Event()
-
-    def trickle() -> None:
-        while not stop.is_set():
-            results.append(stream(placed, 8))
-
-    with ThreadPoolExecutor(4) as pool:
-        long: list[Future] = [pool.submit(stream, placed, 200) for _ in range(2)]
-        ticker = pool.submit(trickle)
+    with streaming_load(placed) as load:
+        cut = time.monotonic()
+        link.cut()
+        # Sent before any probe can notice: it waits on the prefill engine (the trickle's
+        # request in flight may be past its prefill, pulling KV).
+        caught_at_once = load.pool.submit(stream, placed, 8)
         try:
-            wait_for(lambda: len(results) >= 3, "the trickle to be served P/D", timeout_s=60)
-            cut = time.monotonic()
-            link.cut()
-            # Sent before any probe can notice: it waits on the prefill engine (the trickle's
-            # request in flight may be past its prefill, pulling KV).
-            caught_at_once = pool.submit(stream, placed, 8)
-            try:
-                wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
-                         timeout_s=60)
-                marked_down_s = time.monotonic() - cut
-                down = time.monotonic()
-                wait_for(lambda: sum(r["sent"] > down for r in results) >= 3,
-                         "requests served while the link is cut", timeout_s=60)
-                # Still cut: without the release it waits for its connection to fail.
-                wait_for(caught_at_once.done, "the request sent at the cut to be answered",
-                         timeout_s=30)
-            finally:
-                healed = time.monotonic()
-                link.set_rate(testbed.UNTHROTTLED)
-            wait_for(lambda: any(r["sent"] > healed and r["route"] == "disaggregated"
-                                 for r in results),
-                     "P/D again once the link is healed", timeout_s=120)
-            serving_again_s = time.monotonic() - healed
+            wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
+                     timeout_s=60)
+            marked_down_s = time.monotonic() - cut
+            down = time.monotonic()
+            wait_for(lambda: len(load.since(down)) >= 3,
+                     "requests served while the link is cut", timeout_s=60)
+            # Still cut: without the release it waits for its connection to fail.
+            wait_for(caught_at_once.done, "the request sent at the cut to be answered",
+                     timeout_s=30)
         finally:
-            stop.set()
-        ticker.result()
-        streams = [f.result() for f in long]
-        results.append(caught_at_once.result())
+            healed = time.monotonic()
+            link.set_rate(testbed.UNTHROTTLED)
+        wait_for(lambda: any(r["route"] == "disaggregated" for r in load.since(healed)),
+                 "P/D again once the link is healed", timeout_s=120)
+        serving_again_s = time.monotonic() - healed
     after = metrics(placed)
-    caught = [r for r in results if cut - 1 < r["sent"] < down]
+    caught = [r for r in [*load.short, caught_at_once.result()] if cut - 1 < r["sent"] < down]
     print(f"link cut: prefill marked down after {marked_down_s:.2f}s; requests caught by the "
-          f"cut took {sorted(round(r['took'], 2) for r in caught)}s; healed: P/D again after "
-          f"{serving_again_s:.1f}s; routes {[r['route'] for r in caught]}; fallbacks "
-          f"{[ln for ln in after.splitlines() if ln.startswith('pd_fallbacks_total')]}")
-    for r in [*streams, *results]:
-        assert r["status"] == 200 and r["done"] and not r["errors"], r
-        assert r["finishes"] == ["length"], r
-    # Released when the engine was marked down, not at the prefill deadline (120 s).
+          f"cut took {sorted(round(r['took'], 2) for r in caught)}s (routes "
+          f"{[r['route'] for r in caught]}); healed: P/D again after {serving_again_s:.1f}s")
+    assert_all_whole([*load.everything(), caught_at_once.result()])
     lost = sample(after, LOST) - sample(before, LOST)
     assert lost >= 1, "no request was waiting on the prefill engine when it was cut off"
     assert caught_at_once.result()["route"] == "local"
     assert caught_at_once.result()["took"] < marked_down_s + 5
     assert all(r["took"] < marked_down_s + 15 for r in caught), caught
-    assert all(r["route"] == "local" for r in results if down < r["sent"] < healed), results
+    assert all(r["route"] == "local" for r in load.short if down < r["sent"] < healed), load.short
     assert prefill_instance(placed) == instance, "the engine was restarted: nothing to heal"
 
 
@@ -203,47 +230,27 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
     cluster = two_nodes
     assert prefill_healthy(placed)
     before = metrics(placed)
-    results: list[dict] = []
-    stop = threading.Event()
-
-    def trickle() -> None:
-        """Short streams, one after another, for as long as the test runs."""
-        while not stop.is_set():
-            results.append(stream(placed, 8))
-
-    with ThreadPoolExecutor(4) as pool:
-        # Long streams decoding on the head while the prefill node goes: they must not notice.
-        long: list[Future] = [pool.submit(stream, placed, 200) for _ in range(2)]
-        ticker = pool.submit(trickle)
-        try:
-            wait_for(lambda: len(results) >= 3, "the trickle to be served P/D", timeout_s=60)
-            lost = time.monotonic()
-            cluster.lose_worker()
-            wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
-                     timeout_s=30)
-            marked_down_s = time.monotonic() - lost
-            down = time.monotonic()
-            wait_for(lambda: sum(r["sent"] > down for r in results) >= 3,
-                     "requests served while the node is gone", timeout_s=60)
-            back = time.monotonic()
-            cluster.rejoin_worker()
-            wait_for(lambda: any(r["sent"] > back and r["route"] == "disaggregated"
-                                 for r in results),
-                     "P/D again once the node is back", timeout_s=300)
-            serving_again_s = time.monotonic() - back
-        finally:
-            stop.set()
-        ticker.result()
-        streams = [f.result() for f in long]
+    with streaming_load(placed) as load:
+        lost = time.monotonic()
+        cluster.lose_worker()
+        wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
+                 timeout_s=30)
+        marked_down_s = time.monotonic() - lost
+        down = time.monotonic()
+        wait_for(lambda: len(load.since(down)) >= 3,
+                 "requests served while the node is gone", timeout_s=60)
+        back = time.monotonic()
+        cluster.rejoin_worker()
+        wait_for(lambda: any(r["route"] == "disaggregated" for r in load.since(back)),
+                 "P/D again once the node is back", timeout_s=300)
+        serving_again_s = time.monotonic() - back
     after = metrics(placed)
     print(f"prefill node lost: marked down after {marked_down_s:.2f}s; node back: P/D again "
-          f"after {serving_again_s:.1f}s; {len(results)} short streams, "
+          f"after {serving_again_s:.1f}s; {len(load.short)} short streams, "
           f"{sample(after, FALLBACK) - sample(before, FALLBACK):.0f} of them sent to the lost "
           "engine and computed by decode instead")
-    for r in [*streams, *results]:
-        assert r["status"] == 200 and r["done"] and not r["errors"], r
-        assert r["finishes"] == ["length"], r
-    assert all(r["route"] == "local" for r in results if down < r["sent"] < back), results
+    assert_all_whole(load.everything())
+    assert all(r["route"] == "local" for r in load.short if down < r["sent"] < back), load.short
     assert sample(after, UNAVAILABLE) > sample(before, UNAVAILABLE)
     # The restarted engine is on the node that came back.
     assert engine_hosts(placed) == {"prefill-0": cluster.link.ns_addr,
