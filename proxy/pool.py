@@ -201,12 +201,23 @@ class EnginePool:
         if came_up:
             log.info("engine %s (%s) is up", engine.name, engine.role)
         if engine.healthy and not healthy:
-            engine.give_up_waiting()
+            self._release(engine)
         engine.healthy = healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
         self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
         if came_up and self.on_up is not None:
             self.on_up(engine)
+
+    def _release(self, engine: Engine) -> None:
+        """What waits on ``engine``, now marked down, stops waiting: requests for a whole reply
+        (prefills) fall back, and its streams continue on another decode engine (stream
+        migration) instead of after the idle deadline. With no other decode engine up, the
+        streams stay: the engine may only be slow, and cut they could only end in an error."""
+        engine.give_up_waiting()
+        if any(e is not engine and e.healthy and not e.draining and "decode" in e.duties
+               for e in self.all()):
+            for stream in list(engine.open_streams):
+                stream.close()
 
     async def probe(self, engine: Engine) -> bool:
         """Health check, then the engine's own load (running + waiting requests)."""

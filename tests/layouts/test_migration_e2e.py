@@ -27,13 +27,18 @@ MAX_TOKENS = 192
 VICTIM = "engine-0"
 
 
-@pytest.mark.parametrize("kill", ["engine", "engine_core"])
+@pytest.mark.parametrize("kill", ["engine", "engine_core", "stall"])
 def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(pool_stack, kill):
     """``engine``: the whole engine SIGKILLed (its connections drop); ``engine_core``: only its
     vLLM engine core (an out-of-memory kill or a device fault does this), whose API server
-    then ends each stream with an in-band error event (code 500) and ``[DONE]``."""
+    then ends each stream with an in-band error event (code 500) and ``[DONE]``; ``stall``: the
+    whole engine SIGSTOPped (a hung host: its kernel still accepts connections, nothing
+    answers). The proxy marks a stalled engine down after three slow health probes and cuts
+    its streams then, so they continue on the other engine well before the idle deadline
+    (60 s here) would have noticed; it is resumed after."""
     stack = pool_stack
-    reason = "decode_lost" if kill == "engine" else "decode_error"
+    reason = "decode_error" if kill == "engine_core" else "decode_lost"
+    stopped: list[int] = []
     route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
     prompts = [text_of_tokens(40, seed=300 + i) for i in range(STREAMS)]
 
@@ -46,6 +51,10 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         (pgid,) = [e["pid"] for e in stack.run_info()["engines"] if e["url"] == url]
         if kill == "engine":
             os.killpg(pgid, signal.SIGKILL)
+            return
+        if kill == "stall":
+            os.killpg(pgid, signal.SIGSTOP)
+            stopped.append(pgid)
             return
         (core,) = [p for p in psutil.Process(pgid).children()
                    if p.name().startswith("VLLM::EngineCor")]
@@ -70,7 +79,11 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         differ = differing(reference, killed)
         print(f"texts equal to the uninterrupted run's: {STREAMS - len(differ)} of {STREAMS}")
         assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
+        if kill == "stall":  # cut at the mark-down, not at the idle deadline (60 s)
+            assert max(gaps) < 30, gaps
     finally:
+        for pgid in stopped:
+            os.killpg(pgid, signal.SIGCONT)
         wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
                  f"{VICTIM} restarted and healthy", timeout_s=240)
         route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])

@@ -3,8 +3,10 @@
 A slow health probe alone does not take an engine out (a busy engine answers late), unless not
 even a new TCP connection to it opens (a host cut off: nothing answers, nothing refuses). Marked
 down, an engine releases every request waiting on it for a whole reply (a prefill): the prefill
-leg falls back to the decode engine at once instead of waiting out its deadline.
-The real counterpart: ``tests/ray/test_placement.py``'s cut link.
+leg falls back to the decode engine at once instead of waiting out its deadline, and its
+streams are cut so that they continue on another decode engine (when one is up).
+The real counterparts: ``tests/ray/test_placement.py``'s cut link and the stalled engine of
+``tests/layouts/test_migration_e2e.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from proxy.pool import SLOW_PROBES_TO_MARK_DOWN, EnginePool
 class SlowClient:
     """An engine whose probes time out; ``reachable``: whether a new connection opens."""
 
-    name, base_url = "prefill-0", "http://x"
+    base_url = "http://x"
 
-    def __init__(self, reachable: bool):
+    def __init__(self, reachable: bool, name: str = "prefill-0"):
+        self.name = name
         self.reachable = reachable
         self.connect_checks = 0
 
@@ -101,3 +104,35 @@ async def test_an_engine_already_down_releases_nothing_new_and_a_later_wait_runs
     assert not engine.healthy
     with engine.given_up_when_down():
         await asyncio.sleep(0)  # no mark-down happens while it waits: it finishes normally
+
+
+class Stream:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+async def test_marked_down_an_engine_cuts_its_streams_when_another_decode_engine_is_up():
+    pool = EnginePool([], [SlowClient(False, "decode-0"), SlowClient(False, "decode-1")],
+                      ProxyMetrics())
+    for e in pool.decode:
+        e.healthy = True
+    stream = Stream()
+    pool.decode[0].open_streams.add(stream)
+    await pool.probe(pool.decode[0])
+    assert stream.closed  # its relay sees the engine lost and continues it on decode-1
+
+
+@pytest.mark.parametrize("other", ["none", "down", "draining"])
+async def test_with_no_other_decode_engine_to_go_to_the_streams_stay(other):
+    clients = [SlowClient(False, "decode-0")] + ([] if other == "none"
+                                                 else [SlowClient(False, "decode-1")])
+    pool = EnginePool([], clients, ProxyMetrics())
+    pool.decode[0].healthy = True
+    if other == "draining":
+        pool.decode[1].healthy = pool.decode[1].draining = True
+    stream = Stream()
+    pool.decode[0].open_streams.add(stream)
+    await pool.probe(pool.decode[0])
+    assert not pool.decode[0].healthy and not stream.closed
