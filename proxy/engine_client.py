@@ -157,7 +157,6 @@ class EngineClient:
         except http1.HttpError as exc:
             raise _unreachable(self.name, exc) from exc
 
-
     async def connects(self, timeout_s: float) -> bool:
         """Whether a new TCP connection to the engine opens within ``timeout_s`` (closed at
         once). A busy engine's kernel accepts one even while its server is slow to answer; a

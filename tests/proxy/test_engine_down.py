@@ -97,13 +97,22 @@ async def test_a_waiter_cancelled_for_its_own_reasons_is_cancelled_not_given_up(
     assert not engine._waiting and not engine._given_up
 
 
-async def test_an_engine_already_down_releases_nothing_new_and_a_later_wait_runs_to_its_end():
+async def test_only_the_mark_down_releases_not_every_failed_probe_of_an_engine_already_down():
+    """A request sent to an engine already down (picked when nothing better was up, say) is
+    not cut by the probes that keep failing: only the transition up -> down releases."""
     pool = pool_of(SlowClient(reachable=False))
     (engine,) = pool.prefill
     await pool.probe(engine)
     assert not engine.healthy
-    with engine.given_up_when_down():
-        await asyncio.sleep(0)  # no mark-down happens while it waits: it finishes normally
+    entered = asyncio.Event()
+    waiter = asyncio.create_task(waiting_on(engine, entered))
+    await entered.wait()
+    await pool.probe(engine)  # fails again: still down, no transition
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
 
 
 class Stream:
