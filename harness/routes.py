@@ -6,6 +6,7 @@ events (the proxy's ``/pd/costs`` shows each engine's indexed blocks).
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx
@@ -82,14 +83,22 @@ def measure_local(stack, body: dict) -> float:
         return ttft_stream(c, stack.decode_url + "/v1/completions", body)[0]
 
 
-def measure_disaggregated(stack, body: dict) -> float:
-    """Prefill (prefix-cached there) then decode pulling the KV, timed like a client would."""
+def measure_disaggregated(stack, body: dict, give_up_after_s: float | None = None) -> float:
+    """Prefill (prefix-cached there) then decode pulling the KV, timed like a client would.
+    With ``give_up_after_s``: a prefill that has not answered by then is hung up on (vLLM aborts
+    it) and the route measured as ``math.inf``, i.e. slower than that."""
     reset_decode_cache(stack, body)
     pbody = dict(body, max_tokens=1, return_token_ids=True, stream=False)
     pbody[kv_params.BODY_KEY] = kv_params.prefill_request_params()
     with httpx.Client(timeout=300, headers=stack.engine_headers) as c:
         t0 = time.perf_counter()
-        reply = c.post(stack.prefill_url + "/v1/completions", json=pbody).json()
+        try:
+            reply = c.post(stack.prefill_url + "/v1/completions", json=pbody,
+                           timeout=give_up_after_s or 300).json()
+        except httpx.ReadTimeout:
+            if give_up_after_s is None:
+                raise
+            return math.inf
         prefill_s = time.perf_counter() - t0
         dbody = dict(body)
         dbody[kv_params.BODY_KEY] = kv_params.decode_request_params(

@@ -9,6 +9,7 @@ against both routes measured on the real engines.
 from __future__ import annotations
 
 import json
+import math
 import socket
 from urllib.parse import urlsplit
 
@@ -167,22 +168,20 @@ def test_busy_prefill_sends_request_local(link_stack):
                                  f"{seen[-5:]}") from None
         return flood
 
-    first = flood(1000)
+    queue = flood(1000)
     try:
         with httpx.Client(timeout=300) as c:
             ttft, headers = ttft_stream(c, link_stack.proxy_url + "/v1/completions", body)
+        assert headers["x-pd-route"] == "local", dict(headers)
+        # The same request through what is left of the same queue, disaggregated: the queue
+        # lasts over a minute, so nothing waits for the whole of it. A prefill that has not
+        # answered by twice the local TTFT is hung up on and counts as slower than that.
+        through_queue = measure_disaggregated(link_stack, body, give_up_after_s=2 * ttft)
     finally:
-        # Nothing waits for the rest of this queue: hanging up aborts it (vLLM's completions
-        # route cancels a request whose client left), which saves a minute of CI.
-        first.hang_up()
-    assert headers["x-pd-route"] == "local", dict(headers)
-    wait_idle(link_stack)
-
-    # The same request through the same kind of queue, disaggregated.
-    second = flood(2000)
-    try:
-        through_queue = measure_disaggregated(link_stack, body)
-    finally:
-        second.hang_up()
-    print(f"local under prefill load: {ttft:.3f}s, through the queue: {through_queue:.3f}s")
+        # Hanging up aborts the rest of the queue (vLLM's completions route cancels a request
+        # whose client left), which saves a minute of CI.
+        queue.hang_up()
+    queued = (f"{through_queue:.3f}s" if through_queue < math.inf
+              else f"over {2 * ttft:.3f}s (hung up)")
+    print(f"local under prefill load: {ttft:.3f}s, through the queue: {queued}")
     assert ttft < through_queue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.stack import Stack, serving, start_dev
-from tests.marks import mark_e2e
+from tests.marks import last_in_package, mark_e2e
 
 
 @pytest.fixture(scope="package")
@@ -22,3 +22,5 @@ def pool_stack(tmp_path_factory) -> Stack:
 
 def pytest_collection_modifyitems(items):
     mark_e2e(items, "layouts")
+    # Its kills leave an engine restarting: nothing after them waits for that.
+    last_in_package(items, "/layouts/test_migration_e2e.py")
