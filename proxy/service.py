@@ -121,9 +121,9 @@ class ProxyService:
             asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
         if not self.warmed:
             self._tasks.append(asyncio.create_task(self._warm_up()))
-        # Everything built so far lives as long as the proxy (the app, the tokenizer, torch's
-        # modules under transformers: ~380k objects). Frozen, the garbage collector no longer
-        # walks them: a full collection of them held the event loop 130-180 ms here.
+        # Everything built so far lives as long as the proxy (the app, the tokenizer, the
+        # modules under them; ~380k objects when transformers brought torch in). Frozen, the
+        # garbage collector no longer walks them: a full collection held the loop 130-180 ms.
         gc.freeze()
 
     @property

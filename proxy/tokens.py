@@ -13,9 +13,11 @@ a worker of :mod:`proxy.tokenizer_pool`, never the event loop's thread for a lon
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from proxy.prefix_index import block_keys
@@ -84,11 +86,14 @@ def surely_over_context(body: Mapping[str, Any], max_model_len: int, info: Token
     return at_least if at_least > max_model_len else None
 
 
+#: The tokenizer classes a model's ``tokenizer_config.json`` can name that are the generic fast
+#: tokenizer (``tokenizer.json`` and nothing else): what ``AutoTokenizer`` would build for them.
+_GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
 class PromptTokenizer:
     def __init__(self, model_dir: str):
-        from transformers import AutoTokenizer
-
-        self._tok = AutoTokenizer.from_pretrained(model_dir)
+        self._tok = load_tokenizer(model_dir)
         self._tok.model_max_length = 1 << 30  # lengths are the engine's to check, not ours
 
     def info(self) -> TokenizerInfo:
@@ -121,3 +126,19 @@ class PromptTokenizer:
         if ids is None:
             return None
         return PromptTokens(len(ids), {bs: block_keys(ids, bs) for bs in block_sizes})
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer, as ``AutoTokenizer`` builds it. A model whose tokenizer is the
+    generic fast one is loaded as that class directly: ``AutoTokenizer`` imports transformers'
+    model-config machinery and with it torch, 4-5 s of a start here against ~1 s."""
+    config = Path(model_dir, "tokenizer_config.json")
+    generic = (Path(model_dir, "tokenizer.json").is_file() and config.is_file()
+               and json.loads(config.read_text()).get("tokenizer_class") in _GENERIC_FAST)
+    if generic:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
