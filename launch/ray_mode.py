@@ -20,7 +20,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,13 @@ class RayDirectory:
         self._namespace = namespace
         self._handles: dict[str, Any] = {}
         self._last: dict[str, EndpointInfo] = {}
+        # Ray's blocking calls run on threads of their own, not the event loop's default
+        # executor: with the cluster gone such a call waits for its GCS for a minute, and the
+        # loop joins its default executor's threads when it closes, so pdserve could not exit.
+        self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-directory")
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
 
     def _list_names(self) -> list[str]:
         import ray
@@ -182,7 +190,7 @@ class RayDirectory:
     async def endpoints(self) -> list[EndpointInfo]:
         import ray
 
-        names = await asyncio.to_thread(self._list_names)
+        names = await self._call(self._list_names)
         for gone in set(self._handles) - set(names):
             self._handles.pop(gone, None)
             self._last.pop(gone, None)
@@ -190,8 +198,8 @@ class RayDirectory:
         async def one(name: str) -> None:
             try:
                 if name not in self._handles:
-                    self._handles[name] = await asyncio.to_thread(
-                        ray.get_actor, name, self._namespace)
+                    self._handles[name] = await self._call(ray.get_actor, name,
+                                                           self._namespace)
                 info = await asyncio.wait_for(self._handles[name].info.remote(), INFO_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - restarting or unreachable: keep last
                 log.debug("no info from %s: %s", name, exc)
@@ -337,3 +345,11 @@ def run_ray(opts: RayOptions) -> int:
             if not ray_gone.is_set():  # else the engines went with the cluster's workers
                 scaler.stop_all()
                 ray.shutdown()
+        if ray_gone.is_set():
+            # Nothing is left to clean up, and what remains of a normal exit waits for the
+            # lost cluster: the engine directory's Ray call in a worker thread, which the
+            # event loop's executor joins, and Ray's own exit hook (seen: the watchdog's grace
+            # ran out every time, 10 s). Leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(143)

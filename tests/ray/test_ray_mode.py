@@ -179,16 +179,16 @@ def listener_pid(url: str) -> int:
 
 def test_a_long_answer_outweighs_several_short_ones(ray_stack):
     """Routing counts outstanding tokens, not requests: while one decode engine owes most of
-    a 3800-token answer, four concurrent short requests all go to the other one (by request
+    a 2000-token answer, four concurrent short requests all go to the other one (by request
     count, the second of them would go to the busy engine).
 
-    The tiny model writes 3800 tokens in seconds, so the busy engine is frozen
+    The tiny model writes 2000 tokens in seconds, so the busy engine is frozen
     (SIGSTOP) while the short ones are routed: the long answer stays owed, and its engine stays
     healthy in the proxy's view (so health is not what steers them)."""
     urls = {name: e["url"] for name, e in decodes(ray_stack).items()}
     wait_idle_in_proxy_view(ray_stack, urls)
     body = chat_body(ray_stack.model_name, text_of_tokens(150, seed=77), stream=True)
-    body.update(max_tokens=3800, ignore_eos=True)
+    body.update(max_tokens=2000, ignore_eos=True)
     results: list[int] = []
 
     def short(i: int) -> None:
@@ -462,9 +462,11 @@ def test_zzzzzz_pdserve_ray_exits_when_its_cluster_is_gone(ray_stack):
     ray_stack.popen.wait(120)
     exited_after = time.monotonic() - t0
     print(f"pdserve ray exited {exited_after:.1f}s after its cluster was killed")
-    # Three missed looks 2 s apart, then at most 10 s of shutdown (it used to hang in a Ray
-    # call on the lost GCS until Ray's own 60 s abort).
-    assert exited_after < 30, exited_after
+    # Three missed looks 2 s apart, then a shutdown that waits for nothing of the lost
+    # cluster (it used to hang in a Ray call on the lost GCS until Ray's own 60 s abort, then
+    # until the watchdog's 10 s grace ran out).
+    assert exited_after < 20, exited_after
+    assert "shutdown is stuck" not in ray_stack.output()
     deadline = time.monotonic() + 60
     while left := ray_stack.engine_process_pids():
         assert time.monotonic() < deadline, (
