@@ -74,6 +74,17 @@ CASES = [
     ("no step model yet, no streams: nothing to stall, local fits",
      RouteInputs(1000, costs=costs(step=None), streams=0, targets=T), "local",
      "slo_local_fits"),
+    ("gap target only, both routes meet it: the faster, local (a short prompt whose local "
+     "step, 42 ms, is within the margin only)",
+     RouteInputs(140, costs=costs(), streams=4, targets=Targets(itl_s=0.05)), "local",
+     "slo_fastest"),
+    ("gap target only, both meet it, the prefill engine holds most of the prompt: the faster, "
+     "disaggregated",
+     RouteInputs(1000, prefill_cached_tokens=900, costs=costs(link_fixed_s=0.0), streams=4,
+                 targets=Targets(itl_s=0.16)), "disaggregated", "slo_fastest"),
+    ("gap target only, the local prefill's step misses it: disaggregated, whatever its TTFT",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
+                 targets=Targets(itl_s=0.05)), "disaggregated", "slo_protects_streams"),
     ("cached on the prefill engine, local within the TTFT margin only: the most slack",
      RouteInputs(1000, prefill_cached_tokens=800, costs=costs(step=None, link_fixed_s=0.0),
                  streams=4, targets=Targets(ttft_s=0.27)), "disaggregated", "slo_most_slack"),
@@ -129,11 +140,29 @@ def test_local_is_taken_only_with_the_margin_to_spare():
 
     step = StepModel(fixed_s=0.0, prefill_s=0.0001, stream_s=0.0, kv_in_s=0.0)
     c = costs(step=step, chunk=4096)
-    target = 0.04
-    edge = round(target * (1 - LOCAL_MARGIN.itl_s) / step.prefill_s)  # 300 tokens: 30 ms
-    d = decide(AUTO, RouteInputs(edge - 5, costs=c, streams=2, targets=Targets(itl_s=target)))
+    targets = Targets(ttft_s=1.0, itl_s=0.04)
+    edge = round(targets.itl_s * (1 - LOCAL_MARGIN.itl_s) / step.prefill_s)  # 300 tokens: 30 ms
+    d = decide(AUTO, RouteInputs(edge - 5, costs=c, streams=2, targets=targets))
     assert d.gap_local_s == pytest.approx(0.0295)
     assert (d.route, d.reason) == ("local", "slo_local_fits")
-    d = decide(AUTO, RouteInputs(edge + 5, costs=c, streams=2,
-                                 targets=Targets(itl_s=target)))
+    d = decide(AUTO, RouteInputs(edge + 5, costs=c, streams=2, targets=targets))
     assert (d.route, d.reason) == ("disaggregated", "slo_most_slack")
+
+
+def test_with_a_gap_target_alone_the_faster_route_that_meets_it_wins_local_on_a_tie():
+    """Past the margin, with no TTFT target: the faster route; local when within SLACK_TIE."""
+    from proxy.policy import SLACK_TIE
+
+    step = StepModel(fixed_s=0.0, prefill_s=0.0001, stream_s=0.0, kv_in_s=0.0)
+    gap_only = Targets(itl_s=0.04)
+    d = decide(AUTO, RouteInputs(305, costs=costs(step=step, chunk=4096), streams=2,
+                                 targets=gap_only))
+    assert d.predicted_local_s < d.predicted_disaggregated_s
+    assert (d.route, d.reason) == ("local", "slo_fastest")
+    # Local a little slower than disaggregated: taken within SLACK_TIE, not past it.
+    for slower, route in ((1 + SLACK_TIE / 2, "local"), (1 + 2 * SLACK_TIE, "disaggregated")):
+        c = CostInputs(KVB, PrefillModel(0.0, 4000), PrefillModel(0.0, 4000 / slower),
+                       LinkModel(0.0, 1e18), decode_step=step, chunk_tokens=4096)
+        d = decide(AUTO, RouteInputs(305, costs=c, streams=2, targets=gap_only))
+        assert d.predicted_local_s == pytest.approx(d.predicted_disaggregated_s * slower)
+        assert (d.route, d.reason) == (route, "slo_fastest")
