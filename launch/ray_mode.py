@@ -347,9 +347,9 @@ def run_ray(opts: RayOptions) -> int:
                 ray.shutdown()
         if ray_gone.is_set():
             # Nothing is left to clean up, and what remains of a normal exit waits for the
-            # lost cluster: the engine directory's Ray call in a worker thread, which the
-            # event loop's executor joins, and Ray's own exit hook (seen: the watchdog's grace
-            # ran out every time, 10 s). Leave now.
+            # lost cluster: the interpreter joins the engine directory's call threads, one
+            # stuck on the lost GCS, and runs Ray's own exit hook (seen before: the watchdog's
+            # 10 s grace ran out every time). Leave now.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(143)
