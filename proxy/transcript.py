@@ -10,12 +10,10 @@ ids itself).
 Events are passed on whole: bytes are held until their ``\\n\\n`` arrives, so an event cut by a
 lost engine is never half-sent, and its tokens are not counted as delivered.
 
-Most events of a stream are one token of one choice, which vLLM writes (fields in model order,
-unset ones left out) as ``...,"finish_reason":null,"token_ids":[N]}]}``. Those take a quick
-path (:meth:`Transcript._quick`): read into a typed view of just the fields that decide (C,
-nothing else built), and sent as the engine's bytes with the ids cut out. Every other event
-(the first, the last, usage, several choices, an id that differs, a continuation's) is parsed
-and rewritten whole.
+Most events of a stream are one token of one choice: those take a quick path
+(:func:`proxy.event_bytes.one_token`), sent as the engine's bytes with the ids cut out. Every
+other event (the first, the last, usage, several choices, an id that differs, a continuation's)
+is parsed and rewritten whole.
 
 A continuation is another engine's answer to another prompt. Its events are rewritten to read
 as the stream's own (:meth:`Transcript.continued`): the first event's ``id`` and ``created``;
@@ -36,38 +34,14 @@ from typing import Any
 
 import msgspec
 
-_DATA = b"data: "
+from proxy.event_bytes import DATA as _DATA
+from proxy.event_bytes import cut_prompt_ids, one_token
+
 _DONE = b"[DONE]"
 #: Every event of a migratable stream is read (and most written back): msgspec's JSON, several
 #: times faster than the standard library's (compact, UTF-8 as vLLM writes it).
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
-_IDS_KEY = b',"token_ids":['
-_PROMPT_KEY = b',"prompt_token_ids":['
-_ID_BYTES = b"0123456789, "
-_TAIL = b"]}]}"
-
-
-class _ChoiceView(msgspec.Struct):
-    token_ids: list[int] | None = None
-    finish_reason: str | None = None
-    text: str | None = None
-    delta: dict[str, Any] | None = None
-    prompt_token_ids: Any = msgspec.UNSET
-
-
-class _EventView(msgspec.Struct):
-    """What decides whether an event can take the quick path (``UNSET``: the key is absent;
-    a value of another type than these fails the view, and the event is parsed whole)."""
-    id: str | None = None
-    created: int | None = None
-    choices: list[_ChoiceView] | None = None
-    prompt_token_ids: Any = msgspec.UNSET
-    error: Any = msgspec.UNSET
-
-
-_view = msgspec.json.Decoder(_EventView).decode
-UNSET = msgspec.UNSET
 
 
 class Transcript:
@@ -139,7 +113,7 @@ class Transcript:
                 if quick is not None:
                     return quick
             elif self._prompt_raw is None and not self._as_chat:
-                stripped = self._cut_prompt(stripped)
+                stripped, self._prompt_raw = cut_prompt_ids(stripped)
         if not stripped.startswith(_DATA) or stripped[len(_DATA):].strip() == _DONE:
             return stripped + b"\n\n"
         try:
@@ -161,52 +135,14 @@ class Transcript:
             return stripped + b"\n\n"
         return _DATA + _encode(obj) + b"\n\n"
 
-    def _cut_prompt(self, event: bytes) -> bytes:
-        """``event`` without the prompt's ids, kept raw (:attr:`prompt_ids`), when they are
-        where vLLM writes them (a key after others, an array of ids only) and once; else
-        ``event`` itself (the parse takes them out). A ``,"`` cannot occur inside a JSON string
-        (its quote would be escaped), so the key found is a key."""
-        at = event.find(_PROMPT_KEY)
-        if at < 0:
-            return event
-        start = at + len(_PROMPT_KEY) - 1
-        end = event.find(b"]", start)
-        raw = event[start:end + 1]
-        if end < 0 or raw.translate(None, _ID_BYTES) != b"[]" or event.count(
-                b'"prompt_token_ids"') != 1:
-            return event
-        self._prompt_raw = raw
-        return event[:at] + event[end + 1:]
-
     def _quick(self, event: bytes) -> bytes | None:
-        """``event`` without its token ids, if it is one token of one choice of the first
-        engine that says something (text or a delta) and does not finish; else None (parse
-        it whole)."""
-        if not event.endswith(_TAIL) or not event.startswith(_DATA):
+        """``event`` without its token ids, recorded, if it is one token of one choice that
+        says something (:func:`proxy.event_bytes.one_token`); else None (parse it whole)."""
+        cut = one_token(event, self.id, self.created)
+        if cut is None:
             return None
-        at = event.rfind(_IDS_KEY)
-        if at < 0:
-            return None
-        try:
-            view = _view(event[len(_DATA):])
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return None
-        choices = view.choices
-        if (choices is None or len(choices) != 1 or view.id != self.id
-                or view.created != self.created or view.prompt_token_ids is not UNSET
-                or view.error is not UNSET):
-            return None
-        choice = choices[0]
-        if (not choice.token_ids or choice.prompt_token_ids is not UNSET
-                or choice.finish_reason is not None
-                or not (choice.text or (choice.delta and choice.delta.get("content")))):
-            return None
-        ids = choice.token_ids
-        # What is cut must be exactly the choice's ids, the last key of the last choice.
-        if event[at + len(_IDS_KEY) - 1:-len(_TAIL) + 1] != _encode(ids):
-            return None
-        self.output_ids.extend(ids)
-        return event[:at] + b"}]}\n\n"
+        self.output_ids.extend(cut[1])
+        return cut[0]
 
     def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         first_engine = self._carried == 0 and not self._as_chat
