@@ -32,7 +32,7 @@ from proxy.errors import (
 )
 from proxy.ledger import Claim, Ledger
 from proxy.metrics import ProxyMetrics
-from proxy.plan import Plan
+from proxy.plan import Plan, estimate_header
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
 from proxy.trace import Trace
@@ -232,7 +232,10 @@ class DecodeLeg:
             if self._itl is None:
                 self._itl = self._metrics.itl_seconds.labels(self.route)
             else:
-                self._itl.observe((now - self._last_frame_at) / frames)
+                gap = (now - self._last_frame_at) / frames
+                self._itl.observe(gap)
+                if self.claim.itl_s is not None and gap > self.claim.itl_s:
+                    self.claim.stalled()
             self._last_frame_at = now
 
     def ended(self, now: float) -> None:
@@ -284,17 +287,3 @@ async def _read_and_close(stream: EngineStream) -> bytes:
         return await stream.read_all()
     finally:
         stream.close()
-
-
-def estimate_header(plan: Plan) -> str | None:
-    """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them."""
-    decision = plan.decision
-    if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
-        return None
-    out = (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
-           f"local={decision.predicted_local_s * 1e3:.1f}ms")
-    if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:
-        out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
-                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms")
-    return out
-

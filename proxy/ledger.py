@@ -12,6 +12,11 @@ queued prompt tokens. A claim is the only way these numbers change:
     claim.output_done(k)     # k tokens relayed (None: the rest)
     claim.move_to(other)     # the request goes to another engine (a retry): what is left moves
     claim.release()          # everything left; idempotent, and what ``with`` does on exit
+    claim.stalled()          # one more gap over the request's gap target (its stall budget)
+
+A request with a gap target (``itl_s``) may have ``stall_allowance(gaps)`` gaps over it and keep
+its p99 gap within it; :meth:`Ledger.stall_room` is the fewest still left among the requests on
+an engine (what a route that stalls them all may spend).
 
 Release is idempotent and the counts never go below zero, so a claim released in a ``finally``
 after a partial release is safe. Not thread-safe: used on the event loop.
@@ -23,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from types import TracebackType
 
+from proxy.policy import stall_allowance
 from proxy.pool import Engine
 
 
@@ -38,6 +44,7 @@ class EngineLoad:
 class Ledger:
     def __init__(self) -> None:
         self._loads: dict[str, EngineLoad] = defaultdict(EngineLoad)
+        self._claims: dict[str, set[Claim]] = defaultdict(set)  # the open claims per engine
 
     def load(self, engine: str) -> EngineLoad:
         """``engine``'s current load (a live view: do not change it)."""
@@ -46,9 +53,15 @@ class Ledger:
     def loads(self) -> dict[str, EngineLoad]:
         return dict(self._loads)
 
-    def claim(self, engine: Engine, *, prompt_tokens: int = 0, output_tokens: int = 0
-              ) -> Claim:
-        return Claim(self, engine, prompt_tokens, output_tokens)
+    def claim(self, engine: Engine, *, prompt_tokens: int = 0, output_tokens: int = 0,
+              itl_s: float | None = None) -> Claim:
+        """``itl_s``: the request's gap target (its stall budget counts gaps over it)."""
+        return Claim(self, engine, prompt_tokens, output_tokens, itl_s)
+
+    def stall_room(self, engine: str) -> int:
+        """Gaps over its target that every request decoding on ``engine`` (or bound to) can
+        still take (0 when one has no gap target: its gaps are not known to tolerate any)."""
+        return min((c.stall_room for c in self._claims[engine] if c.decodes), default=0)
 
     def _add(self, engine: Engine, prompt: int, output: int, requests: int) -> None:
         load = self._loads[engine.name]
@@ -61,16 +74,24 @@ class Ledger:
 class Claim:
     """One request's share of one engine's load (see the module docstring)."""
 
-    def __init__(self, ledger: Ledger, engine: Engine, prompt_tokens: int, output_tokens: int):
+    def __init__(self, ledger: Ledger, engine: Engine, prompt_tokens: int, output_tokens: int,
+                 itl_s: float | None = None):
         self._ledger = ledger
         self.engine = engine
         self.prompt_tokens = 0
         self.output_tokens = max(0, output_tokens)
         self._open = True
+        #: The request's gap target, and the gaps over it it may have (its budget's gaps).
+        self.itl_s = itl_s
+        self._allowance = stall_allowance(self.output_tokens - 1) if itl_s else 0
+        self.stalls = 0
+        #: The request decodes there (an output budget): a prefill leg's claim streams nothing.
+        self.decodes = self.output_tokens > 0
         #: The engine had none of this proxy's prompt work when this claim's prompt arrived:
         #: a timing taken now measures the work alone (queueing would bias a fit).
         self.was_idle = True
         ledger._add(engine, 0, self.output_tokens, 1)
+        ledger._claims[engine.name].add(self)
         if prompt_tokens:
             self.add_prompt(prompt_tokens)
 
@@ -100,6 +121,8 @@ class Claim:
             return
         prompt, output = self.prompt_tokens, self.output_tokens
         self._ledger._add(self.engine, -prompt, -output, -1)
+        self._ledger._claims[self.engine.name].discard(self)
+        self._ledger._claims[engine.name].add(self)
         self.engine = engine
         if prompt:
             self.was_idle = self._ledger.load(engine.name).prompt_tokens == 0
@@ -110,6 +133,15 @@ class Claim:
             self._ledger._add(self.engine, -self.prompt_tokens, -self.output_tokens, -1)
             self.prompt_tokens = self.output_tokens = 0
             self._open = False
+            self._ledger._claims[self.engine.name].discard(self)
+
+    @property
+    def stall_room(self) -> int:
+        """Gaps over the target this request can still take (0 without a target)."""
+        return max(0, self._allowance - self.stalls)
+
+    def stalled(self) -> None:
+        self.stalls += 1
 
     def __enter__(self) -> Claim:
         return self

@@ -148,7 +148,8 @@ class Orchestrator:
         trace = Trace(time.perf_counter())
         plan = await self.plan(req, prefill, decode)
         self.metrics.decisions_total.labels(plan.decision.route, plan.decision.reason).inc()
-        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget)
+        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget,
+                                  itl_s=plan.targets.itl_s if plan.targets else None)
         leg: DecodeLeg | None = None
         try:
             handoff = None

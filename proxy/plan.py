@@ -32,6 +32,8 @@ class Plan:
     prompt_tokens: int
     decode_cached_tokens: int
     output_budget: int
+    #: The request's latency targets (its own, else the deployment's).
+    targets: Targets | None = None
 
     @property
     def decode_new_tokens(self) -> int:
@@ -65,13 +67,16 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         prefill.mean_prompt_tokens if prefill else None,
     )
     streams = streams_exposed(costs, decode)
+    # Other clients' streams there: their gaps are not known to tolerate any stall.
+    room = costs.ledger.stall_room(decode.name) if not decode.foreign_requests else 0
     decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
-        costs=inputs, streams=streams, targets=targets))
+        costs=inputs, streams=streams, targets=targets, stall_room=room))
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
-    return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget)
+    return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
+                targets)
 
 
 def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
@@ -83,3 +88,16 @@ def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
     Other clients' requests there count as streams too."""
     own = max(costs.tracker(decode.name).streams, costs.ledger.load(decode.name).requests)
     return own + decode.foreign_requests
+
+
+def estimate_header(plan: Plan) -> str | None:
+    """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them."""
+    decision = plan.decision
+    if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
+        return None
+    out = (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
+           f"local={decision.predicted_local_s * 1e3:.1f}ms")
+    if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:
+        out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
+                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms")
+    return out

@@ -20,11 +20,17 @@ targets are kept and the one with the most slack taken (local when the slacks ar
 TTFT is what is left); when none does, the least violation, with the streams' ITL violation
 counted once per stream (they are many, the arrival is one).
 
+The gap target is each stream's p99 gap (nearest rank): a stream of n gaps may have
+``stall_allowance(n)`` over it. A route over the target still meets it (no gap slack) when the
+streams it stalls have that many left (``RouteInputs.stall_room``) for its ``stalls_needed``:
+reason ``slo_stall_budget``.
+
 The decision reads no clock and does no I/O.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,6 +103,9 @@ class RouteInputs:
     #: Streams decoding on the decode engine now (what a local prefill would stall).
     streams: int = 0
     targets: Targets | None = None
+    #: Gaps over the gap target that every stream exposed on the decode engine can still take
+    #: with its p99 gap within the target (:func:`stall_allowance`, less the stalls it had).
+    stall_room: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,21 @@ def predict_gaps(inputs: RouteInputs, costs: CostInputs) -> tuple[float | None, 
     local = step.seconds(min(local_new, costs.chunk_tokens), inputs.streams)
     disagg = step.seconds(0, inputs.streams, kv_tokens=local_new)
     return disagg, local
+
+
+def stall_allowance(gaps: int) -> int:
+    """Gaps over the target a stream of ``gaps`` gaps may have with its p99 gap (nearest
+    rank: the ``ceil(0.99 n)``-th smallest) still within it: 2 of 255, 0 of 99."""
+    return max(0, gaps - math.ceil(0.99 * gaps)) if gaps > 0 else 0
+
+
+def stalls_needed(route: Route, inputs: RouteInputs, costs: CostInputs) -> int:
+    """Steps over the gap target the route puts on the streams, when its gap is: a local
+    prefill's chunks (each one step), or the one step that takes a disaggregated KV in."""
+    if route == "disaggregated":
+        return 1
+    return max(1, _chunks(max(0, inputs.prompt_tokens - inputs.decode_cached_tokens),
+                          costs.chunk_tokens))
 
 
 def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
@@ -212,11 +236,19 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     index = {"disaggregated": 0, "local": 1}
     streams = inputs.streams
 
+    costs = inputs.costs
+    assert costs is not None  # (decide: no targets rule without a cost model)
+    budgeted: set[Route] = set()  # routes over the gap target that the streams' room absorbs
+
     def judged(route: Route) -> tuple[bool, bool, float, float]:
         ttft = predicted[index[route]] or 0.0
         gap = gaps[index[route]]
         ttft_ok = targets.ttft_s is None or ttft <= targets.ttft_s
         itl_ok = targets.itl_s is None or gap is None or gap <= targets.itl_s
+        if not itl_ok and inputs.stall_room >= stalls_needed(route, inputs, costs):
+            itl_ok = True  # each stream's p99 gap stays within the target: no slack left
+            budgeted.add(route)
+            gap = targets.itl_s
         slacks = [(targets.ttft_s - ttft) / targets.ttft_s] if targets.ttft_s else []
         if targets.itl_s and gap is not None:
             slacks.append((targets.itl_s - gap) / targets.itl_s)
@@ -239,7 +271,7 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
         best = min(meeting, key=ttft.__getitem__)
         if ttft["local"] <= ttft[best] * (1 + SLACK_TIE):
             best = "local"
-        return best, "slo_fastest"
+        return best, "slo_stall_budget" if best in budgeted else "slo_fastest"
     if meeting:
         # Most slack. Slacks within SLACK_TIE of each other are a tie, taken by local: moving
         # the KV would occupy a second engine and the link for nothing the targets ask for
@@ -247,6 +279,8 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
         best = max(meeting, key=lambda r: (verdicts[r][2], -(predicted[index[r]] or 0.0)))
         if "local" in meeting and verdicts[best][2] - verdicts["local"][2] < SLACK_TIE:
             best = "local"
+        if best in budgeted:
+            return best, "slo_stall_budget"
         if len(meeting) == len(routes):
             return best, "slo_most_slack"
         other = next(r for r in routes if r != best)

@@ -1,0 +1,83 @@
+"""Each request's stall budget: the gaps over its gap target it may still take with its p99 gap
+within the target, kept on its ledger claim and counted from the gaps the proxy relays."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+
+from harness.live_proxy import live_proxy, proxy_config, wait_until
+from proxy.ledger import Ledger
+
+
+@dataclass
+class Named:
+    name: str
+    inflight: int = 0
+
+
+def test_the_room_is_the_fewest_stalls_left_among_the_requests_decoding_there():
+    ledger, d0, d1 = Ledger(), Named("d0"), Named("d1")
+    assert ledger.stall_room("d0") == 0  # nobody there: nothing is spent (no streams either)
+    a = ledger.claim(d0, output_tokens=256, itl_s=0.05)  # 255 gaps: 2 may stall
+    b = ledger.claim(d0, output_tokens=1000, itl_s=0.05)  # 999 gaps: 9
+    ledger.claim(d0, prompt_tokens=500)  # a prefill leg there streams nothing: not counted
+    assert ledger.stall_room("d0") == 2
+    a.stalled()
+    assert (a.stall_room, ledger.stall_room("d0")) == (1, 1)
+    a.stalled(), a.stalled()
+    assert ledger.stall_room("d0") == 0  # spent (never below zero)
+    a.release()
+    assert ledger.stall_room("d0") == 9
+    b.move_to(d1)  # a retry elsewhere: its budget goes with it
+    assert (ledger.stall_room("d0"), ledger.stall_room("d1")) == (0, 9)
+    ledger.claim(d1, output_tokens=256)  # no gap target: its gaps tolerate nothing known
+    assert ledger.stall_room("d1") == 0
+
+
+async def test_the_gaps_relayed_over_the_target_spend_the_streams_budget(prefill, decode):
+    """A stream whose gaps (30 ms) are over its 5 ms target spends its budget (2 of 255 gaps)
+    as its tokens are relayed; a 10 s target spends nothing."""
+    decode.decode_frame_interval_s = 0.03
+    decode.stream_tokens = tuple(f"t{i}" for i in range(6))
+    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 5
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        ledger = lp.state.orchestrator.ledger
+        (name,) = [e.name for e in lp.state.pool.all() if e.client.base_url == decode.url.rstrip("/")]
+        for itl_ms, room in ((5, 0), (10_000, 2)):
+            decode.decode_gate.clear()
+            body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
+                    "slo": {"itl_ms": itl_ms}}
+            async with c.stream("POST", lp.url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                got = 0
+                while got < 5:  # five tokens relayed, the stream held open by the engine
+                    got += '"text":"t' in await anext(lines)
+                await wait_until(lambda: ledger.stall_room(name) == room,
+                                 f"room {room} (is {ledger.stall_room(name)})")
+                decode.decode_gate.set()
+                async for _ in lines:
+                    pass
+        await wait_until(lambda: not ledger._claims[name], "claims released")
+
+
+async def test_the_plan_gives_the_policy_the_decode_engines_room(monkeypatch):
+    """What the policy is told: the ledger's room on the chosen decode engine, and none while
+    other clients' requests run there (their gaps are not known)."""
+    import proxy.plan
+    from test_routing import request, setup
+
+    seen = []
+    real = proxy.plan.decide
+    monkeypatch.setattr(proxy.plan, "decide", lambda mode, inputs: seen.append(inputs) or real(
+        mode, inputs))
+    pool, _, orch = setup(decodes=("d0",))
+    orch.ledger.claim(pool.get("d0"), output_tokens=256, itl_s=0.05)
+    await orch.plan(request())
+    assert seen[-1].stall_room == 2
+    pool.get("d0")._foreign = 1  # as its metrics would say
+    await orch.plan(request())
+    assert seen[-1].stall_room == 0
