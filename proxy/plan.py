@@ -91,7 +91,8 @@ def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
 
 
 def estimate_header(plan: Plan) -> str | None:
-    """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them."""
+    """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them
+    and the stalls over their target they could still take."""
     decision = plan.decision
     if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
         return None
@@ -99,5 +100,6 @@ def estimate_header(plan: Plan) -> str | None:
            f"local={decision.predicted_local_s * 1e3:.1f}ms")
     if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:
         out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
-                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms")
+                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms"
+                f"; stall_room={decision.stall_room}")
     return out

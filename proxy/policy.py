@@ -118,6 +118,7 @@ class Decision:
     #: streams, or no step model).
     gap_disaggregated_s: float | None = None
     gap_local_s: float | None = None
+    stall_room: int = 0  # what the streams could still take (``RouteInputs.stall_room``)
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (
@@ -186,7 +187,7 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         gaps = predict_gaps(inputs, inputs.costs)
 
     def made(route: Route, reason: str) -> Decision:
-        return Decision(route, reason, *predicted, *gaps)
+        return Decision(route, reason, *predicted, *gaps, inputs.stall_room)
 
     if not inputs.prefill_available:
         return made("local", "prefill_unavailable")
@@ -196,9 +197,8 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         return made("disaggregated", "policy_disaggregate")
     uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
     if mode.kind == "threshold":
-        if uncached >= mode.threshold_tokens:
-            return made("disaggregated", "over_threshold")
-        return made("local", "under_threshold")
+        over = uncached >= mode.threshold_tokens
+        return made("disaggregated", "over_threshold") if over else made("local", "under_threshold")
     # auto
     if inputs.costs is None:
         return made("disaggregated", "no_cost_model")

@@ -81,3 +81,16 @@ async def test_the_plan_gives_the_policy_the_decode_engines_room(monkeypatch):
     pool.get("d0")._foreign = 1  # as its metrics would say
     await orch.plan(request())
     assert seen[-1].stall_room == 0
+
+
+
+def test_the_estimate_header_shows_the_room():
+    from test_slo_policy import AUTO, costs
+
+    from proxy.plan import Plan, estimate_header
+    from proxy.policy import RouteInputs, Targets, decide
+
+    d = decide(AUTO, RouteInputs(1000, costs=costs(), streams=4, targets=Targets(itl_s=0.05),
+                                 stall_room=3))
+    header = estimate_header(Plan(d, None, Named("d0"), 4000, 1000, 0, 16))
+    assert header is not None and header.endswith("; stall_room=3"), header
