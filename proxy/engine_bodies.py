@@ -18,10 +18,16 @@ DEFAULT_OUTPUT_BUDGET = 256
 
 def output_budget(body: Mapping[str, Any]) -> int:
     """The most tokens the request may generate (its max_tokens), for the decode load."""
+    stated = stated_output_budget(body)
+    return DEFAULT_OUTPUT_BUDGET if stated is None else stated
+
+
+def stated_output_budget(body: Mapping[str, Any]) -> int | None:
+    """The request's own max_tokens (None: it set none)."""
     for key in ("max_completion_tokens", "max_tokens"):
         if isinstance(body.get(key), int):
             return body[key]
-    return DEFAULT_OUTPUT_BUDGET
+    return None
 
 
 def prefill_body(body: Mapping[str, Any], limits: kv_params.KVLimits | None = None

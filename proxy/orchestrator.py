@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.decode_leg import DecodeLeg
-from proxy.engine_bodies import output_budget
+from proxy.engine_bodies import output_budget, stated_output_budget
 from proxy.errors import DecodeLost, DecodeStalled, NoEngineAvailable, ProxyError
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
@@ -148,8 +148,9 @@ class Orchestrator:
         trace = Trace(time.perf_counter())
         plan = await self.plan(req, prefill, decode)
         self.metrics.decisions_total.labels(plan.decision.route, plan.decision.reason).inc()
-        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget,
-                                  itl_s=plan.targets.itl_s if plan.targets else None)
+        # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
+        itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
+        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
         leg: DecodeLeg | None = None
         try:
             handoff = None

@@ -39,17 +39,21 @@ def test_the_room_is_the_fewest_stalls_left_among_the_requests_decoding_there():
 
 async def test_the_gaps_relayed_over_the_target_spend_the_streams_budget(prefill, decode):
     """A stream whose gaps (30 ms) are over its 5 ms target spends its budget (2 of 255 gaps)
-    as its tokens are relayed; a 10 s target spends nothing."""
+    as its tokens are relayed; a 10 s target spends nothing; a request that states no
+    max_tokens has no budget."""
     decode.decode_frame_interval_s = 0.03
     decode.stream_tokens = tuple(f"t{i}" for i in range(6))
     decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 5
     async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
         ledger = lp.state.orchestrator.ledger
         (name,) = [e.name for e in lp.state.pool.all() if e.client.base_url == decode.url.rstrip("/")]
-        for itl_ms, room in ((5, 0), (10_000, 2)):
+        # (No max_tokens: the answer's length, so its budget, is not known: no room.)
+        for itl_ms, room, max_tokens in ((5, 0, 256), (10_000, 2, 256), (10_000, 0, None)):
             decode.decode_gate.clear()
-            body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
+            body = {"model": "m", "prompt": "hi", "max_tokens": max_tokens, "stream": True,
                     "slo": {"itl_ms": itl_ms}}
+            if max_tokens is None:
+                del body["max_tokens"]
             async with c.stream("POST", lp.url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
                 lines = r.aiter_lines()
