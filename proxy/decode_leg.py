@@ -178,6 +178,7 @@ class DecodeLeg:
     def first_byte(self, now: float) -> None:
         """Record what the first bytes measured; runs once the client has them."""
         self.claim.prompt_done()
+        self.claim.drop_hold()  # its steps are over: their gaps are relayed, or about to be
         self.trace.run_deferred()
         plan, trace = self.plan, self.trace
         local = self.handoff is None

@@ -13,6 +13,8 @@ queued prompt tokens. A claim is the only way these numbers change:
     claim.move_to(other)     # the request goes to another engine (a retry): what is left moves
     claim.release()          # everything left; idempotent, and what ``with`` does on exit
     claim.stalled()          # one more gap over the request's gap target (its stall budget)
+    claim.hold_stalls(n)     # its route will stall the others there n times: held from their
+                             # room until its first byte (drop_hold) or its release
 
 A request with a gap target (``itl_s``) may have ``stall_allowance(gaps)`` gaps over it and keep
 its p99 gap within it; :meth:`Ledger.stall_room` is the fewest still left among the requests on
@@ -28,8 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from types import TracebackType
 
-from proxy.policy import stall_allowance
 from proxy.pool import Engine
+from proxy.stall_budget import stall_allowance
 
 
 @dataclass
@@ -85,6 +87,9 @@ class Claim:
         self.itl_s = itl_s
         self._allowance = stall_allowance(self.output_tokens - 1) if itl_s else 0
         self.stalls = 0
+        #: Stalls other requests' routes are about to put on this one (not yet relayed).
+        self.held = 0
+        self._holding: tuple[list[Claim], int] = ([], 0)
         #: The request decodes there (an output budget): a prefill leg's claim streams nothing.
         self.decodes = self.output_tokens > 0
         #: The engine had none of this proxy's prompt work when this claim's prompt arrived:
@@ -134,14 +139,30 @@ class Claim:
             self.prompt_tokens = self.output_tokens = 0
             self._open = False
             self._ledger._claims[self.engine.name].discard(self)
+            self.drop_hold()
 
     @property
     def stall_room(self) -> int:
         """Gaps over the target this request can still take (0 without a target)."""
-        return max(0, self._allowance - self.stalls)
+        return max(0, self._allowance - self.stalls - self.held)
 
     def stalled(self) -> None:
         self.stalls += 1
+
+    def hold_stalls(self, n: int) -> None:
+        """This request's route is to stall every other request decoding on its engine ``n``
+        times (its steps come before its first byte): held from their room meanwhile, so that
+        a second arrival cannot spend the same stall before the gap is relayed."""
+        others = [c for c in self._ledger._claims[self.engine.name] if c.decodes and c is not self]
+        for c in others:
+            c.held += n
+        self._holding = (others, n)
+
+    def drop_hold(self) -> None:
+        others, n = self._holding
+        for c in others:
+            c.held = max(0, c.held - n)
+        self._holding = ([], 0)
 
     def __enter__(self) -> Claim:
         return self

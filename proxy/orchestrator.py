@@ -151,6 +151,8 @@ class Orchestrator:
         # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
         itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
         claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
+        if plan.decision.stalls:  # the route spends the streams' stall budget there
+            claim.hold_stalls(plan.decision.stalls)
         leg: DecodeLeg | None = None
         try:
             handoff = None

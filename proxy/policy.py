@@ -30,10 +30,10 @@ The decision reads no clock and does no I/O.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from proxy.stall_budget import stalls_needed
 from transport.cost import LinkModel, PrefillModel, StepModel
 
 Route = Literal["disaggregated", "local"]
@@ -119,6 +119,8 @@ class Decision:
     gap_disaggregated_s: float | None = None
     gap_local_s: float | None = None
     stall_room: int = 0  # what the streams could still take (``RouteInputs.stall_room``)
+    #: Stalls the route spends from every other stream's budget (``slo_stall_budget``).
+    stalls: int = 0
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (
@@ -164,21 +166,6 @@ def predict_gaps(inputs: RouteInputs, costs: CostInputs) -> tuple[float | None, 
     return disagg, local
 
 
-def stall_allowance(gaps: int) -> int:
-    """Gaps over the target a stream of ``gaps`` gaps may have with its p99 gap (nearest
-    rank: the ``ceil(0.99 n)``-th smallest) still within it: 2 of 255, 0 of 99."""
-    return max(0, gaps - math.ceil(0.99 * gaps)) if gaps > 0 else 0
-
-
-def stalls_needed(route: Route, inputs: RouteInputs, costs: CostInputs) -> int:
-    """Steps over the gap target the route puts on the streams, when its gap is: a local
-    prefill's chunks (each one step), or the one step that takes a disaggregated KV in."""
-    if route == "disaggregated":
-        return 1
-    return max(1, _chunks(max(0, inputs.prompt_tokens - inputs.decode_cached_tokens),
-                          costs.chunk_tokens))
-
-
 def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     predicted: tuple[float | None, float | None] = (None, None)
     gaps: tuple[float | None, float | None] = (None, None)
@@ -204,7 +191,8 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         return made("disaggregated", "no_cost_model")
     if inputs.targets is not None and inputs.targets.any:
         route, reason = _for_targets(inputs, inputs.targets, predicted, gaps)
-        return made(route, reason)
+        spent = stalls_needed(route, uncached, inputs.costs.chunk_tokens)
+        return replace(made(route, reason), stalls=spent if reason == "slo_stall_budget" else 0)
     if uncached == 0:
         return made("local", "cached_on_decode")
     disagg_s, local_s = predicted
@@ -239,13 +227,14 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     costs = inputs.costs
     assert costs is not None  # (decide: no targets rule without a cost model)
     budgeted: set[Route] = set()  # routes over the gap target that the streams' room absorbs
+    uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
 
     def judged(route: Route) -> tuple[bool, bool, float, float]:
         ttft = predicted[index[route]] or 0.0
         gap = gaps[index[route]]
         ttft_ok = targets.ttft_s is None or ttft <= targets.ttft_s
         itl_ok = targets.itl_s is None or gap is None or gap <= targets.itl_s
-        if not itl_ok and inputs.stall_room >= stalls_needed(route, inputs, costs):
+        if not itl_ok and inputs.stall_room >= stalls_needed(route, uncached, costs.chunk_tokens):
             itl_ok = True  # each stream's p99 gap stays within the target: no slack left
             budgeted.add(route)
             gap = targets.itl_s

@@ -178,7 +178,7 @@ def nearest_rank_p99(values: list[float]) -> float:
 
 @pytest.mark.parametrize("gaps", [1, 2, 15, 99, 100, 101, 199, 200, 255, 1000, 4095])
 def test_the_stall_allowance_is_what_the_p99_gap_tolerates(gaps):
-    from proxy.policy import stall_allowance
+    from proxy.stall_budget import stall_allowance
 
     n = stall_allowance(gaps)
     assert nearest_rank_p99([1.0] * (gaps - n) + [9.0] * n) == 1.0
@@ -221,3 +221,11 @@ BUDGET_CASES = [
 def test_decision_with_a_stall_budget(inputs, route, reason):
     d = decide(AUTO, inputs)
     assert (d.route, d.reason) == (route, reason)
+
+
+def test_a_budgeted_route_says_how_many_stalls_it_spends():
+    spent = decide(AUTO, RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
+                                     targets=Targets(itl_s=0.05), stall_room=2))
+    assert (spent.reason, spent.stalls) == ("slo_stall_budget", 2)  # two chunks of 512
+    within = decide(AUTO, RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2))
+    assert (within.reason, within.stalls) == ("slo_local_fits", 0)

@@ -46,7 +46,8 @@ async def test_the_gaps_relayed_over_the_target_spend_the_streams_budget(prefill
     decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 5
     async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
         ledger = lp.state.orchestrator.ledger
-        (name,) = [e.name for e in lp.state.pool.all() if e.client.base_url == decode.url.rstrip("/")]
+        (name,) = [e.name for e in lp.state.pool.all()
+                   if e.client.base_url == decode.url.rstrip("/")]
         # (No max_tokens: the answer's length, so its budget, is not known: no room.)
         for itl_ms, room, max_tokens in ((5, 0, 256), (10_000, 2, 256), (10_000, 0, None)):
             decode.decode_gate.clear()
@@ -71,8 +72,9 @@ async def test_the_gaps_relayed_over_the_target_spend_the_streams_budget(prefill
 async def test_the_plan_gives_the_policy_the_decode_engines_room(monkeypatch):
     """What the policy is told: the ledger's room on the chosen decode engine, and none while
     other clients' requests run there (their gaps are not known)."""
-    import proxy.plan
     from test_routing import request, setup
+
+    import proxy.plan
 
     seen = []
     real = proxy.plan.decide
@@ -98,3 +100,58 @@ def test_the_estimate_header_shows_the_room():
                                  stall_room=3))
     header = estimate_header(Plan(d, None, Named("d0"), 4000, 1000, 0, 16))
     assert header is not None and header.endswith("; stall_room=3"), header
+
+
+def test_a_route_holds_the_stalls_it_will_spend_until_its_first_byte():
+    ledger, d0 = Ledger(), Named("d0")
+    a = ledger.claim(d0, output_tokens=256, itl_s=0.05)  # room 2
+    b = ledger.claim(d0, output_tokens=1000, itl_s=0.05)  # room 9
+    arrival = ledger.claim(d0, output_tokens=256, itl_s=0.05)
+    arrival.hold_stalls(1)
+    assert (a.stall_room, b.stall_room, arrival.stall_room) == (1, 8, 2)
+    assert ledger.stall_room("d0") == 1  # a second arrival cannot spend a's last stall too
+    arrival.drop_hold()
+    assert (a.stall_room, b.stall_room) == (2, 9)
+    arrival.hold_stalls(2)
+    arrival.release()  # a request that ends before its first byte drops its hold too
+    assert (a.stall_room, b.stall_room) == (2, 9)
+
+
+async def test_the_orchestrator_holds_a_budgeted_routes_stalls_until_its_first_byte(
+        prefill, decode, monkeypatch):
+    """A stream decoding (held open), then an arrival whose route spends a stall
+    (``slo_stall_budget``): while it is in its prefill the stream's room is one less, and once
+    its first byte is out it is whole again."""
+    from dataclasses import replace
+
+    import proxy.plan
+
+    real = proxy.plan.decide
+    monkeypatch.setattr(proxy.plan, "decide", lambda mode, inputs: replace(
+        real(mode, inputs), reason="slo_stall_budget", stalls=1))
+    decode.stream_tokens = tuple(f"t{i}" for i in range(6))
+    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 3
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        ledger = lp.state.orchestrator.ledger
+        (name,) = [e.name for e in lp.state.pool.all()
+                   if e.client.base_url == decode.url.rstrip("/")]
+        body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
+                "slo": {"itl_ms": 10_000}}
+        async with c.stream("POST", lp.url + "/v1/completions", json=body) as r:
+            lines = r.aiter_lines()
+            while '"text":"t0' not in await anext(lines):
+                pass
+            assert ledger.stall_room(name) == 2
+            prefill.prefill_gate = asyncio.Event()
+            second = asyncio.create_task(c.post(lp.url + "/v1/completions",
+                                                json=dict(body, stream=False)))
+            await wait_until(lambda: prefill.prefill_requests[-1:] and len(
+                prefill.prefill_requests) == 2, "the second request in its prefill")
+            assert ledger.stall_room(name) == 1
+            prefill.prefill_gate.set()
+            assert (await second).status_code == 200
+            assert ledger.stall_room(name) == 2  # its hold dropped with it
+            decode.decode_gate.set()
+            async for _ in lines:
+                pass
+        await wait_until(lambda: not ledger._claims[name], "claims released")
