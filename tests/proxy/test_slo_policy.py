@@ -91,8 +91,40 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("inputs", "route", "reason"), [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+# The streams' stall budget (each stream's p99 gap is the target).
+BUDGET_CASES = [
+    ("gap target alone, a local prefill's step over it, every stream with a stall to spare: "
+     "local, the faster",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
+                 targets=Targets(itl_s=0.05), stall_room=2), "local", "slo_stall_budget"),
+    ("the same with no stall to spare: disaggregated (as without a budget)",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
+                 targets=Targets(itl_s=0.05), stall_room=0), "disaggregated",
+     "slo_protects_streams"),
+    ("a prompt of 4 chunks (4 stalls) and room for 2: disaggregated",
+     RouteInputs(2000, costs=costs(prefill_queue_s=2.0), streams=4,
+                 targets=Targets(itl_s=0.05), stall_room=2), "disaggregated",
+     "slo_protects_streams"),
+    ("both targets, disaggregated meets both with slack: not worth a stall (local, within the "
+     "budget, has no gap slack)",
+     RouteInputs(1000, costs=costs(), streams=4, targets=T, stall_room=2), "disaggregated",
+     "slo_most_slack"),
+    ("both targets, the prefill engine congested past the TTFT target: local spends its two "
+     "chunks' stalls",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4, targets=T, stall_room=2),
+     "local", "slo_stall_budget"),
+    ("the same with room for one stall of the two: both miss, the least violation",
+     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4, targets=T, stall_room=1),
+     "disaggregated", "slo_least_violation"),
+    ("within the target anyway: the budget is not touched",
+     RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2), "local",
+     "slo_local_fits"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "route", "reason"),
+                         [c[1:] for c in CASES + BUDGET_CASES],
+                         ids=[c[0] for c in CASES + BUDGET_CASES])
 def test_decision(inputs, route, reason):
     d = decide(AUTO, inputs)
     assert (d.route, d.reason) == (route, reason)
@@ -186,41 +218,7 @@ def test_the_stall_allowance_is_what_the_p99_gap_tolerates(gaps):
     assert (stall_allowance(255), stall_allowance(99), stall_allowance(0)) == (2, 0, 0)
 
 
-BUDGET_CASES = [
-    ("gap target alone, a local prefill's step over it, every stream with a stall to spare: "
-     "local, the faster",
-     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
-                 targets=Targets(itl_s=0.05), stall_room=2), "local", "slo_stall_budget"),
-    ("the same with no stall to spare: disaggregated (as without a budget)",
-     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4,
-                 targets=Targets(itl_s=0.05), stall_room=0), "disaggregated",
-     "slo_protects_streams"),
-    ("a prompt of 4 chunks (4 stalls) and room for 2: disaggregated",
-     RouteInputs(2000, costs=costs(prefill_queue_s=2.0), streams=4,
-                 targets=Targets(itl_s=0.05), stall_room=2), "disaggregated",
-     "slo_protects_streams"),
-    ("both targets, disaggregated meets both with slack: not worth a stall (local, within the "
-     "budget, has no gap slack)",
-     RouteInputs(1000, costs=costs(), streams=4, targets=T, stall_room=2), "disaggregated",
-     "slo_most_slack"),
-    ("both targets, the prefill engine congested past the TTFT target: local spends its two "
-     "chunks' stalls",
-     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4, targets=T, stall_room=2),
-     "local", "slo_stall_budget"),
-    ("the same with room for one stall of the two: both miss, the least violation",
-     RouteInputs(1000, costs=costs(prefill_queue_s=2.0), streams=4, targets=T, stall_room=1),
-     "disaggregated", "slo_least_violation"),
-    ("within the target anyway: the budget is not touched",
-     RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2), "local",
-     "slo_local_fits"),
-]
 
-
-@pytest.mark.parametrize(("inputs", "route", "reason"), [c[1:] for c in BUDGET_CASES],
-                         ids=[c[0] for c in BUDGET_CASES])
-def test_decision_with_a_stall_budget(inputs, route, reason):
-    d = decide(AUTO, inputs)
-    assert (d.route, d.reason) == (route, reason)
 
 
 def test_a_budgeted_route_says_how_many_stalls_it_spends():

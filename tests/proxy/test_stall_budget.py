@@ -37,17 +37,27 @@ def test_the_room_is_the_fewest_stalls_left_among_the_requests_decoding_there():
     assert ledger.stall_room("d1") == 0
 
 
+def hold_streams_open(decode, after_frames: int) -> None:
+    """Six-token answers, each held after ``after_frames`` frames until the gate is set."""
+    decode.stream_tokens = tuple(f"t{i}" for i in range(6))
+    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), after_frames
+
+
+def engine_name(lp, engine) -> str:
+    """The proxy's name for the fake ``engine``."""
+    (name,) = [e.name for e in lp.state.pool.all()
+               if e.client.base_url == engine.url.rstrip("/")]
+    return name
+
+
 async def test_the_gaps_relayed_over_the_target_spend_the_streams_budget(prefill, decode):
     """A stream whose gaps (30 ms) are over its 5 ms target spends its budget (2 of 255 gaps)
     as its tokens are relayed; a 10 s target spends nothing; a request that states no
     max_tokens has no budget."""
     decode.decode_frame_interval_s = 0.03
-    decode.stream_tokens = tuple(f"t{i}" for i in range(6))
-    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 5
+    hold_streams_open(decode, after_frames=5)
     async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
-        ledger = lp.state.orchestrator.ledger
-        (name,) = [e.name for e in lp.state.pool.all()
-                   if e.client.base_url == decode.url.rstrip("/")]
+        ledger, name = lp.state.orchestrator.ledger, engine_name(lp, decode)
         # (No max_tokens: the answer's length, so its budget, is not known: no room.)
         for itl_ms, room, max_tokens in ((5, 0, 256), (10_000, 2, 256), (10_000, 0, None)):
             decode.decode_gate.clear()
@@ -129,12 +139,9 @@ async def test_the_orchestrator_holds_a_budgeted_routes_stalls_until_its_first_b
     real = proxy.plan.decide
     monkeypatch.setattr(proxy.plan, "decide", lambda mode, inputs: replace(
         real(mode, inputs), reason="slo_stall_budget", stalls=1))
-    decode.stream_tokens = tuple(f"t{i}" for i in range(6))
-    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 3
+    hold_streams_open(decode, after_frames=3)
     async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
-        ledger = lp.state.orchestrator.ledger
-        (name,) = [e.name for e in lp.state.pool.all()
-                   if e.client.base_url == decode.url.rstrip("/")]
+        ledger, name = lp.state.orchestrator.ledger, engine_name(lp, decode)
         body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
                 "slo": {"itl_ms": 10_000}}
         async with c.stream("POST", lp.url + "/v1/completions", json=body) as r:
