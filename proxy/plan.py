@@ -68,7 +68,9 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
     )
     streams = streams_exposed(costs, decode)
     # Other clients' streams there: their gaps are not known to tolerate any stall.
-    room = costs.ledger.stall_room(decode.name) if not decode.foreign_requests else 0
+    gap_target = targets is not None and targets.itl_s is not None
+    room = costs.ledger.stall_room(decode.name) if gap_target and not decode.foreign_requests \
+        else 0  # (no gap target: no budget to spend, and no walk over the engine's claims)
     decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,

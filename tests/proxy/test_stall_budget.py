@@ -90,8 +90,13 @@ async def test_the_plan_gives_the_policy_the_decode_engines_room(monkeypatch):
     real = proxy.plan.decide
     monkeypatch.setattr(proxy.plan, "decide", lambda mode, inputs: seen.append(inputs) or real(
         mode, inputs))
+    from proxy.policy import Targets
+
     pool, _, orch = setup(decodes=("d0",))
     orch.ledger.claim(pool.get("d0"), output_tokens=256, itl_s=0.05)
+    await orch.plan(request())
+    assert seen[-1].stall_room == 0  # no gap target: nothing to spend, the claims not walked
+    orch.targets = Targets(itl_s=0.05)
     await orch.plan(request())
     assert seen[-1].stall_room == 2
     pool.get("d0")._foreign = 1  # as its metrics would say
