@@ -36,8 +36,6 @@ class Plan:
     output_budget: int
     #: The request's latency targets (its own, else the deployment's).
     targets: Targets | None = None
-    #: The work queued on the prefill engine before this request, predicted (seconds).
-    prefill_queue_s: float = 0.0
 
     @property
     def decode_new_tokens(self) -> int:
@@ -88,7 +86,7 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
-                targets, inputs.prefill_queue_s)
+                targets)
 
 
 def _local_over_by(inputs: RouteInputs, now: float | None) -> float | None:
@@ -104,18 +102,14 @@ def _local_over_by(inputs: RouteInputs, now: float | None) -> float | None:
 
 
 def earliest_start(plan: Plan, now: float) -> float | None:
-    """The earliest a disaggregated request's first token can come on its decode engine
-    (``Claim.starts_at``): its own prefill and KV transfer as predicted, less the prediction's
-    margin, and without the queue before it on the prefill engine, which can drain sooner than
-    predicted. (A first goodput run timed it from the whole predicted TTFT: short prompts
-    queued behind long ones there, predicted to start after a long local prefill, started
-    during it and were stalled by it three times on a budget of two.) None when routed local
-    (computed there, in the batch any other step there runs)."""
+    """The earliest a disaggregated request's first token is expected on its decode engine:
+    its predicted TTFT less the prediction's margin (``Claim.starts_at``). None when routed
+    local (computed there, in the batch any other step there runs)."""
     predicted = plan.decision.predicted_disaggregated_s
     if plan.decision.route != "disaggregated" or predicted is None:
         return None
     assert LOCAL_MARGIN.ttft_s is not None
-    return now + max(0.0, predicted - plan.prefill_queue_s) * (1 - LOCAL_MARGIN.ttft_s)
+    return now + predicted * (1 - LOCAL_MARGIN.ttft_s)
 
 
 def streams_exposed(costs: RouteCosts, decode: Engine, late: int = 0) -> int:
