@@ -15,13 +15,10 @@ queued prompt tokens. A claim is the only way these numbers change:
     claim.stalled()          # one more gap over the request's gap target (its stall budget)
     claim.hold_stalls(n)     # its route will stall the others there n times: held from their
                              # room until its first byte (drop_hold) or its release
-    claim.starts_at = t      # prefilled elsewhere: its first token is not expected before t
 
 A request with a gap target (``itl_s``) may have ``stall_allowance(gaps)`` gaps over it and keep
 its p99 gap within it; :meth:`Ledger.stall_room` is the fewest still left among the requests on
-an engine (what a route that stalls them all may spend). A request prefilled on another engine
-is bound to its decode engine from the start, but a step there stalls it only once it decodes:
-``starting_by`` leaves out the ones not expected to start by then.
+an engine (what a route that stalls them all may spend).
 
 Release is idempotent and the counts never go below zero, so a claim released in a ``finally``
 after a partial release is safe. Not thread-safe: used on the event loop.
@@ -63,16 +60,10 @@ class Ledger:
         """``itl_s``: the request's gap target (its stall budget counts gaps over it)."""
         return Claim(self, engine, prompt_tokens, output_tokens, itl_s)
 
-    def stall_room(self, engine: str, starting_by: float | None = None) -> int:
-        """Gaps over its target that every request decoding on ``engine`` (or bound to, and
-        expected to start by ``starting_by``) can still take (0 when one has no gap target: its
-        gaps are not known to tolerate any)."""
-        return min((c.stall_room for c in self._claims[engine]
-                    if c.decodes and not c.starts_after(starting_by)), default=0)
-
-    def starting_after(self, engine: str, t: float) -> int:
-        """Requests bound to ``engine`` whose first token is not expected before ``t``."""
-        return sum(1 for c in self._claims[engine] if c.decodes and c.starts_after(t))
+    def stall_room(self, engine: str) -> int:
+        """Gaps over its target that every request decoding on ``engine`` (or bound to) can
+        still take (0 when one has no gap target: its gaps are not known to tolerate any)."""
+        return min((c.stall_room for c in self._claims[engine] if c.decodes), default=0)
 
     def _add(self, engine: Engine, prompt: int, output: int, requests: int) -> None:
         load = self._loads[engine.name]
@@ -99,9 +90,6 @@ class Claim:
         #: Stalls other requests' routes are about to put on this one (not yet relayed).
         self.held = 0
         self._holding: tuple[list[Claim], int] = ([], 0)
-        #: While prefilled on another engine: the earliest its first token is expected (None:
-        #: decoding, or its prompt is computed on this engine, in the batch a step there runs).
-        self.starts_at: float | None = None
         #: The request decodes there (an output budget): a prefill leg's claim streams nothing.
         self.decodes = self.output_tokens > 0
         #: The engine had none of this proxy's prompt work when this claim's prompt arrived:
@@ -122,7 +110,6 @@ class Claim:
         return self.was_idle
 
     def prompt_done(self) -> None:
-        self.starts_at = None  # decoding now
         if self.prompt_tokens:
             self._ledger._add(self.engine, -self.prompt_tokens, 0, 0)
             self.prompt_tokens = 0
@@ -153,9 +140,6 @@ class Claim:
             self._open = False
             self._ledger._claims[self.engine.name].discard(self)
             self.drop_hold()
-
-    def starts_after(self, t: float | None) -> bool:
-        return t is not None and self.starts_at is not None and self.starts_at > t
 
     @property
     def stall_room(self) -> int:

@@ -35,7 +35,7 @@ from proxy.errors import DecodeLost, DecodeStalled, NoEngineAvailable, ProxyErro
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
 from proxy.migration import migrating, not_migratable, with_token_ids
-from proxy.plan import Plan, earliest_start, make_plan
+from proxy.plan import Plan, make_plan
 from proxy.policy import PolicyMode, Targets
 from proxy.pool import Engine, EnginePool
 from proxy.prefill_leg import PrefillLeg
@@ -151,7 +151,6 @@ class Orchestrator:
         # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
         itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
         claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
-        claim.starts_at = earliest_start(plan, time.monotonic())
         if plan.decision.stalls:  # the route spends the streams' stall budget there
             claim.hold_stalls(plan.decision.stalls)
         leg: DecodeLeg | None = None
@@ -213,7 +212,7 @@ class Orchestrator:
         plan = make_plan(req, pool=self.pool, costs=self.costs, policy=self.policy,
                          prompt_chars=prompt_chars(req.body), measured=measured,
                          output_budget=output_budget(req.body), load=self._load,
-                         prefill=prefill, decode=decode, targets=targets, now=time.monotonic())
+                         prefill=prefill, decode=decode, targets=targets)
         if req.spans is not None:
             prefill_name = plan.prefill.name if plan.prefill else None
             req.spans.hold("tokenize", t0, t1, prompt_tokens=plan.prompt_tokens)

@@ -5,9 +5,7 @@ arrives. No I/O and no clock: the prompt was measured before (``proxy/tokenizer_
 prompt tokens that engine has not cached, plus its output budget), then the prefill engine the
 same way among the others (prompt tokens only), and asks the policy for the route of that
 pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``)
-and the request's latency targets. With a gap target, a request bound there but prefilled
-elsewhere is left out of both when it is not expected to start before a local prefill of this
-one would be over (``_local_over_by``).
+and the request's latency targets.
 The pool remembers the picks (ties rotate), so picking is the one side effect.
 """
 
@@ -18,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from proxy.costs import RouteCosts
 from proxy.errors import NoEngineAvailable
-from proxy.policy import LOCAL_MARGIN, Decision, PolicyMode, RouteInputs, Targets, decide, predict
+from proxy.policy import Decision, PolicyMode, RouteInputs, Targets, decide
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
 from proxy.tokens import PromptTokens
@@ -46,11 +44,9 @@ class Plan:
 def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: PolicyMode,
               prompt_chars: int, measured: PromptTokens | None, output_budget: int,
               load: Callable[[Engine], float], prefill: Engine | None = None,
-              decode: Engine | None = None, targets: Targets | None = None,
-              now: float | None = None) -> Plan:
+              decode: Engine | None = None, targets: Targets | None = None) -> Plan:
     """``prefill``/``decode`` pin the engines (start-up probes); ``load`` is an engine's
-    outstanding work in tokens (``RouteCosts.load_tokens`` with its foreign requests); ``now``
-    (``time.monotonic()``) dates the bound requests' expected starts (``Claim.starts_at``)."""
+    outstanding work in tokens (``RouteCosts.load_tokens`` with its foreign requests)."""
     tokens = measured.n_tokens if measured else costs.token_ratio.tokens(prompt_chars)
     hits: dict[str, int] = {}
 
@@ -70,57 +66,29 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         prefill.foreign_requests if prefill else 0, decode.foreign_requests,
         prefill.mean_prompt_tokens if prefill else None,
     )
-    route_inputs = RouteInputs(
+    streams = streams_exposed(costs, decode)
+    # Other clients' streams there: their gaps are not known to tolerate any stall.
+    gap_target = targets is not None and targets.itl_s is not None
+    room = costs.ledger.stall_room(decode.name) if gap_target and not decode.foreign_requests \
+        else 0  # (no gap target: no budget to spend, and no walk over the engine's claims)
+    decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
-        costs=inputs, streams=streams_exposed(costs, decode), targets=targets)
-    # No gap target: no budget to spend, and no walk over the engine's claims.
-    if targets is not None and targets.itl_s is not None:
-        by = _local_over_by(route_inputs, now)
-        late = costs.ledger.starting_after(decode.name, by) if by is not None else 0
-        # Other clients' streams there: their gaps are not known to tolerate any stall.
-        room = 0 if decode.foreign_requests else costs.ledger.stall_room(decode.name, by)
-        route_inputs = replace(route_inputs, streams=streams_exposed(costs, decode, late),
-                               stall_room=room)
-    decision = decide(policy, route_inputs)
+        costs=inputs, streams=streams, targets=targets, stall_room=room))
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
                 targets)
 
 
-def _local_over_by(inputs: RouteInputs, now: float | None) -> float | None:
-    """When a local prefill of the arrival would be over at the latest (its predicted TTFT,
-    with every bound request counted as a stream, plus the prediction's margin): a request
-    expected to start later is not stalled by it (SmolLM2 mixed: 1,023-token prompts bound for
-    ~3.5 s while prefilled elsewhere, with no stall to spare, kept 64-token prompts off a
-    one-step local prefill, to queue behind them)."""
-    if now is None or inputs.costs is None:
-        return None
-    assert LOCAL_MARGIN.ttft_s is not None
-    return now + predict(inputs, inputs.costs)[1] * (1 + LOCAL_MARGIN.ttft_s)
-
-
-def earliest_start(plan: Plan, now: float) -> float | None:
-    """The earliest a disaggregated request's first token is expected on its decode engine:
-    its predicted TTFT less the prediction's margin (``Claim.starts_at``). None when routed
-    local (computed there, in the batch any other step there runs)."""
-    predicted = plan.decision.predicted_disaggregated_s
-    if plan.decision.route != "disaggregated" or predicted is None:
-        return None
-    assert LOCAL_MARGIN.ttft_s is not None
-    return now + predicted * (1 - LOCAL_MARGIN.ttft_s)
-
-
-def streams_exposed(costs: RouteCosts, decode: Engine, late: int = 0) -> int:
+def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
     """The streams a local prefill on ``decode`` would stall: the ones decoding there now,
     and this proxy's requests bound there that are still being prefilled (on a prefill engine,
     or queued there): they start decoding while the local prefill runs, and wait on its steps.
     Counting only the ones already streaming let a long local prefill start on an engine
     whose next stream was a moment away (a 1.2 s stall at 0.44 req/s, SmolLM2 prefill-heavy).
-    Other clients' requests there count as streams too. ``late``: bound requests not expected
-    to start before the local prefill is over (``Ledger.starting_after``)."""
-    own = max(costs.tracker(decode.name).streams, costs.ledger.load(decode.name).requests - late)
+    Other clients' requests there count as streams too."""
+    own = max(costs.tracker(decode.name).streams, costs.ledger.load(decode.name).requests)
     return own + decode.foreign_requests
 
 

@@ -3,17 +3,13 @@ request itself would add there (prompt tokens the engine has not cached, its out
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
-
-import pytest
+from dataclasses import dataclass
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.engine_bodies import DEFAULT_OUTPUT_BUDGET, output_budget
 from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
-from proxy.plan import earliest_start
 from proxy.policy import Targets, parse_policy
 from proxy.pool import EnginePool
 from proxy.prefix_index import block_keys
@@ -135,35 +131,3 @@ async def test_a_request_still_prefilling_counts_as_a_stream_a_local_prefill_wou
     assert exposed.gap_local_s > 0.05
     claim.release()
     assert (await orch.plan(long)).decision.route == "local"
-
-
-async def test_a_request_bound_there_that_starts_after_a_local_prefill_is_not_stalled_by_it():
-    """A request prefilled elsewhere for longer than the arrival's local prefill takes (a long
-    prompt on the prefill engine) starts decoding after that prefill is over: it is neither a
-    stream the prefill stalls nor a budget it spends. One expected before then still is."""
-    pool, costs, orch = setup(prefills=("p0",), decodes=("d0",))
-    orch.policy = parse_policy("auto")
-    orch.targets = Targets(ttft_s=10.0, itl_s=0.05)
-    long = request(prompt=list(range(100, 500)))  # one ~0.2 s local step at the prior
-    bound, claim = await planned(orch, request())
-    claim.starts_at = time.monotonic() + 5.0  # its prefill elsewhere takes seconds
-    late = (await orch.plan(long)).decision
-    assert (late.route, late.reason) == ("local", "slo_local_fits")
-    claim.starts_at = time.monotonic() + 0.1  # ... or it starts during the local prefill
-    soon = (await orch.plan(long)).decision
-    assert (soon.route, soon.reason) == ("disaggregated", "slo_protects_streams")
-    claim.prompt_done()  # its first byte: decoding now, whatever was expected
-    assert claim.starts_at is None
-    assert (await orch.plan(long)).decision.route == "disaggregated"
-
-
-async def test_a_disaggregated_request_is_expected_to_start_when_its_prefill_is_predicted_over():
-    pool, costs, orch = setup(prefills=("p0",), decodes=("d0",))
-    plan = await orch.plan(request())
-    now = time.monotonic()
-    disaggregated = replace(plan, decision=replace(plan.decision, route="disaggregated"))
-    predicted = plan.decision.predicted_disaggregated_s
-    assert predicted is not None and predicted > 0
-    assert earliest_start(disaggregated, now) == pytest.approx(now + 0.85 * predicted)
-    local = replace(plan, decision=replace(plan.decision, route="local"))
-    assert earliest_start(local, now) is None  # computed on the decode engine itself

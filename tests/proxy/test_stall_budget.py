@@ -4,7 +4,6 @@ within the target, kept on its ledger claim and counted from the gaps the proxy 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -36,21 +35,6 @@ def test_the_room_is_the_fewest_stalls_left_among_the_requests_decoding_there():
     assert (ledger.stall_room("d0"), ledger.stall_room("d1")) == (0, 9)
     ledger.claim(d1, output_tokens=256)  # no gap target: its gaps tolerate nothing known
     assert ledger.stall_room("d1") == 0
-
-
-def test_a_request_not_expected_to_start_by_then_is_left_out_of_the_room():
-    ledger, d0 = Ledger(), Named("d0")
-    a = ledger.claim(d0, output_tokens=256, itl_s=0.05)  # decoding: 2 may stall
-    b = ledger.claim(d0, output_tokens=16, itl_s=0.05)  # 15 gaps: none may stall
-    b.starts_at = 10.0  # prefilled elsewhere until then
-    assert ledger.stall_room("d0") == 0  # without a time: every bound request counts
-    assert (ledger.stall_room("d0", 9.0), ledger.starting_after("d0", 9.0)) == (2, 1)
-    assert (ledger.stall_room("d0", 10.0), ledger.starting_after("d0", 10.0)) == (0, 0)
-    b.prompt_done()  # its first byte: decoding, whenever that was expected
-    assert (ledger.stall_room("d0", 9.0), ledger.starting_after("d0", 9.0)) == (0, 0)
-    a.starts_at = 20.0  # the only one there, and late: no stream to stall, no room
-    b.release()
-    assert (ledger.stall_room("d0", 9.0), ledger.starting_after("d0", 9.0)) == (0, 1)
 
 
 def hold_streams_open(decode, after_frames: int) -> None:
@@ -115,13 +99,6 @@ async def test_the_plan_gives_the_policy_the_decode_engines_room(monkeypatch):
     orch.targets = Targets(itl_s=0.05)
     await orch.plan(request())
     assert seen[-1].stall_room == 2
-    bound = orch.ledger.claim(pool.get("d0"), output_tokens=16, itl_s=0.05)  # none to spare
-    bound.starts_at = time.monotonic() + 5.0  # prefilled elsewhere for seconds yet
-    await orch.plan(request())
-    assert (seen[-1].stall_room, seen[-1].streams) == (2, 1)  # a short local step is over first
-    bound.starts_at = time.monotonic()  # due now: a local step would stall it
-    await orch.plan(request())
-    assert (seen[-1].stall_room, seen[-1].streams) == (0, 2)
     pool.get("d0")._foreign = 1  # as its metrics would say
     await orch.plan(request())
     assert seen[-1].stall_room == 0
@@ -153,36 +130,6 @@ def test_a_route_holds_the_stalls_it_will_spend_until_its_first_byte():
     arrival.hold_stalls(2)
     arrival.release()  # a request that ends before its first byte drops its hold too
     assert (a.stall_room, b.stall_room) == (2, 9)
-
-
-async def test_a_request_in_its_prefill_elsewhere_is_expected_on_its_decode_engine_later(
-        prefill, decode):
-    """While a disaggregated request is prefilled, its claim on the decode engine says when its
-    first token is expected (what a local prefill there is timed against); once its first
-    byte is out, it is decoding."""
-    hold_streams_open(decode, after_frames=1)
-    first = asyncio.Event()
-
-    async def stream(c: httpx.AsyncClient, url: str) -> None:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 6, "stream": True}  # (P/D always)
-        async with c.stream("POST", url + "/v1/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if '"text":"t0' in line:
-                    first.set()
-
-    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
-        ledger, name = lp.state.orchestrator.ledger, engine_name(lp, decode)
-        prefill.prefill_gate = asyncio.Event()
-        sent = time.monotonic()
-        client = asyncio.create_task(stream(c, lp.url))
-        await wait_until(lambda: prefill.prefill_requests, "the request in its prefill")
-        (claim,) = ledger._claims[name]
-        assert claim.starts_at is not None and claim.starts_at > sent
-        prefill.prefill_gate.set()
-        await asyncio.wait_for(first.wait(), 10)
-        assert claim.starts_at is None
-        decode.decode_gate.set()
-        await client
 
 
 async def test_the_orchestrator_holds_a_budgeted_routes_stalls_until_its_first_byte(
