@@ -59,6 +59,9 @@ class DecodeLeg:
         self.local_was_idle = False
         self._streaming = False
         self._streams_at_send = 0
+        #: No prompt work of this proxy was queued on the decode engine when the KV went there:
+        #: the hand-over then times the link, not a wait behind a local prefill.
+        self._kv_in_alone = False
         self._last_frame_at = 0.0
         self._itl: Histogram | None = None  # pd_itl_seconds{route}
         self._decode_span: Any = None  # the open ``decode`` span, when tracing
@@ -82,6 +85,7 @@ class DecodeLeg:
             # The streams decoding there will see this arrival's steps: time them.
             tracker = self._costs.tracker(decode.name)
             self._streams_at_send = tracker.streams
+            self._kv_in_alone = self._ledger.load(decode.name).prompt_tokens == 0
             tracker.work_started(self, self.trace.t_decode_sent,
                                  self.plan.decision.predicted_gap_s(), self.route)
             headers = {"x-request-id": self.req.request_id}
@@ -199,7 +203,11 @@ class DecodeLeg:
             handover = now - trace.t_handoff
             self._metrics.stage_seconds.labels("handover", self.route).observe(handover)
             moved = self.handoff.num_prompt_tokens - plan.decode_cached_tokens
-            self._costs.observe_handover(plan.prefill.name, self.decode.name, moved, handover)
+            if self._kv_in_alone and self._ledger.load(self.decode.name).prompt_tokens == 0:
+                # (Behind a local prefill, two waits in a row read as a link that slowed down
+                # 10x, and the fit dropped its samples for them: ``LinkFit``.)
+                self._costs.observe_handover(plan.prefill.name, self.decode.name, moved,
+                                             handover)
             pair = (plan.prefill.name, self.decode.name)
             self._metrics.handover_seconds.labels(*pair).observe(handover)
             self._metrics.kv_moved_bytes_total.labels(*pair).inc(

@@ -56,6 +56,16 @@ def test_auto_counts_prefix_cached_on_prefill():
     assert decide(AUTO, inp).route == "disaggregated"
 
 
+def test_a_disaggregated_first_token_waits_for_the_prompts_queued_on_the_decode_engine():
+    """The KV goes in, and the first token comes out, in the decode engine's own steps: after
+    the prompt work queued there, however idle the prefill engine is."""
+    inp = RouteInputs(prompt_tokens=64, costs=costs(1000, pq=0.0, dq=4.0))
+    disagg, local = predict(inp, inp.costs)
+    assert 4.0 < disagg < local
+    busy_prefill = RouteInputs(prompt_tokens=64, costs=costs(1000, pq=6.0, dq=4.0))
+    assert predict(busy_prefill, busy_prefill.costs)[0] > 6.0
+
+
 def test_auto_without_prefill_is_local_and_without_model_disaggregates():
     assert decide(AUTO, RouteInputs(100, prefill_available=False, costs=costs(1))).route == "local"
     assert decide(AUTO, RouteInputs(100)).reason == "no_cost_model"

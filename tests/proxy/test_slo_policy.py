@@ -16,13 +16,14 @@ STEP = StepModel(fixed_s=0.005, prefill_s=0.00025, stream_s=0.0005, kv_in_s=0.00
 
 
 def costs(link_fixed_s: float = 0.02, prefill_queue_s: float = 0.0, step=STEP,
-          chunk: int = 512) -> CostInputs:
+          chunk: int = 512, decode_queue_s: float = 0.0) -> CostInputs:
     return CostInputs(
         kv_bytes_per_token=KVB,
         remote_prefill=PrefillModel(fixed_s=0.01, tokens_per_s=4000),
         local_prefill=PrefillModel(fixed_s=0.01, tokens_per_s=4000),
         link=LinkModel(fixed_s=link_fixed_s, bytes_per_s=1e9),
-        prefill_queue_s=prefill_queue_s, decode_step=step, chunk_tokens=chunk)
+        prefill_queue_s=prefill_queue_s, decode_queue_s=decode_queue_s, decode_step=step,
+        chunk_tokens=chunk)
 
 
 T = Targets(ttft_s=1.0, itl_s=0.05)
@@ -46,6 +47,11 @@ CASES = [
      "route with the most slack, disaggregated",
      RouteInputs(140, costs=costs(), streams=4, targets=T), "disaggregated",
      "slo_most_slack"),
+    ("gap target alone, a short prompt while the decode engine computes 4 s of prompts: "
+     "prefilled elsewhere, its KV still waits for them there (4.02 s against 4.05 s local): "
+     "a tie, local",
+     RouteInputs(140, costs=costs(decode_queue_s=4.0), streams=4, targets=Targets(itl_s=0.05)),
+     "local", "slo_fastest"),
     ("a short prompt, the link slow to start: local",
      RouteInputs(80, costs=costs(link_fixed_s=0.9), streams=4, targets=T), "local",
      "slo_local_fits"),
