@@ -34,7 +34,9 @@ Rates are set from a measured capacity: a burst of ``--requests`` all at once on
 point runs every arm once, in a shuffled order, ``--repeats`` times, on the same prompts, each
 arm from cold prefix caches (``cold_caches``: else the arm before warms the next). Reported
 per arm: SLO attainment against request rate, the highest rate with >= 90 % of requests good
-(interpolated; DistServe's figure) for each repeat, and the route mix per rate.
+(interpolated; DistServe's figure) for each repeat, and the route mix per rate; per request,
+the proxy's decision (``GET /pd/decisions``, joined on the ``x-request-id`` the load generator
+sends): route, reason, predicted and measured TTFT, the streams and stall room it saw.
 
 Budget (why the counts are what they are): a point costs ``requests / rate`` seconds per arm;
 with fractions f the sweep costs ``B * sum(1/f)`` per arm and repeat, B = the burst's duration.
@@ -149,8 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate: float,
           seed: int, data_dir: Path, concurrency: int | None = None,
-          slo: dict[str, float] | None = None) -> dict[str, Any]:
-    """One ``vllm bench serve`` run against the proxy; its result with per-request detail."""
+          slo: dict[str, float] | None = None, request_id_prefix: str | None = None
+          ) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against the proxy; its result with per-request detail.
+    Request i is sent with ``x-request-id: <request_id_prefix>i``."""
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -167,6 +171,8 @@ def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate
         argv += ["--max-concurrency", str(concurrency)]
     if slo:
         argv += ["--extra-body", json.dumps({"slo": slo})]
+    if request_id_prefix:
+        argv += ["--request-id-prefix", request_id_prefix]
     if len(mix) == 1:
         (inp, out, _), = mix
         argv += ["--dataset-name", "random", "--random-input-len", str(inp),
@@ -261,6 +267,26 @@ def set_routing(proxy: str, routing: dict[str, Any]) -> None:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
+
+
+def decisions(proxy: str, prefix: str, n: int) -> list[dict[str, Any] | None]:
+    """The proxy's decision for each of a run's ``n`` requests (``GET /pd/decisions``; the
+    first, for a stream migrated to another engine), in request order: route taken, reason,
+    predicted and measured TTFT (ms), the streams it was told of and their stall room."""
+    url = f"{proxy}/pd/decisions?prefix={prefix}&limit={4 * n}"
+    with urllib.request.urlopen(url, timeout=30) as r:
+        entries = json.load(r)["decisions"]
+    out: list[dict[str, Any] | None] = [None] * n
+    for e in reversed(entries):  # oldest first: a request's first decision wins
+        i = int(e["request_id"][len(prefix):])
+        if 0 <= i < n and out[i] is None:
+            route = e["route_taken"] or e["route"]
+            out[i] = {"route": route, "reason": e["reason"],
+                      "predicted_ms": e["predicted_ttft_ms"][e["route"]],
+                      "ttft_ms": e["ttft_ms"], "prompt_tokens": e["prompt_tokens"],
+                      "streams": e["streams"], "stall_room": e["stall_room"],
+                      "gap_ms": e["predicted_gap_ms"][e["route"]]}
+    return out
 
 
 def proxy_metrics(proxy: str) -> dict[str, float]:
@@ -441,8 +467,10 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                         wait_idle(proxy)
                         before = proxy_metrics(proxy)
                         seed = args.seed + 100 * repeat + i  # same prompts, cold caches
+                        prefix = f"{arm}-r{repeat}-{i}-"
                         result = bench(proxy, served, tokenizer, workload, n, rate, seed,
-                                       data_dir, slo=slo if arm in WITH_TARGETS else None)
+                                       data_dir, slo=slo if arm in WITH_TARGETS else None,
+                                       request_id_prefix=prefix)
                         after = proxy_metrics(proxy)
                         score = attainment(result, targets, mix)
                         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -454,6 +482,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                                             "prediction_ratio_median": ratio_medians(delta),
                                             "ttfts": result["ttfts"], "itls": result["itls"],
                                             "input_lens": result["input_lens"],
+                                            "decisions": decisions(proxy, prefix, n),
                                             "duration_s": result["duration"]})
                         log(f"{model}/{workload} r{repeat} {rate:.3f} req/s {arm:13s}: "
                             f"{score['good']}/{score['requests']} good, {score['failed']} "

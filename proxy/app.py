@@ -5,7 +5,7 @@
 parse and validate (``requests.py``, ``admin.py``: 4xx before any engine is touched), call the
 service, and render (``render.py``, the one place results become HTTP). The two completion
 routes are the hot path: ``POST`` on them is served ahead of Starlette's middleware and router
-(``hot_paths.py``), with the same answers.
+(``hot_paths.py``), with the same answers. The operators' routes live in ``ops_routes.py``.
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from proxy.admin import RoutingRequest, ScaleRequest, parse_admin
+from proxy import ops_routes as ops
 from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
 from proxy.directory import Directory, Scaler
@@ -42,6 +40,7 @@ from proxy.errors import (
     UpstreamError,
 )
 from proxy.hot_paths import HotPaths, hot_route
+from proxy.ops_routes import json_response
 from proxy.orchestrator import Stream
 from proxy.render import error_response, render
 from proxy.requests import (
@@ -166,79 +165,12 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
     async def models(request: Request, service: ProxyService) -> Response:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "pdserve"}
                 for name in config.served_model_names]
-        return _json({"object": "list", "data": data})
+        return json_response({"object": "list", "data": data})
 
     async def health(request: Request, service: ProxyService) -> Response:
         if service.ready:
-            return _json({"status": "ok"})
+            return json_response({"status": "ok"})
         return error_response(NoEngineAvailable("not ready: engines starting or down"))
-
-    async def costs(request: Request, service: ProxyService) -> Response:
-        """The live cost model (fits, queued work): what the next decisions will use."""
-        view = service.costs.describe()
-        view["engines"] = {
-            e.name: {"role": e.role, "duties": sorted(e.duties), "url": e.client.base_url,
-                     "instance": e.instance, "healthy": e.healthy, "warming": e.warming,
-                     "draining": e.draining, "inflight": e.inflight,
-                     "load_tokens": service.costs.load_tokens(e.name, e.foreign_requests,
-                                                              e.mean_prompt_tokens),
-                     "engine_requests": e.engine_requests,
-                     "mean_prompt_tokens": e.mean_prompt_tokens,
-                     "nixl_bytes_per_s": e.nixl_bytes_per_s, "nixl_transfers": e.nixl_transfers,
-                     "cached_blocks": len(e.index), "block_size": e.index.block_size}
-            for e in service.pool.all()}
-        return _json(view)
-
-    async def lookup(request: Request, service: ProxyService) -> Response:
-        """How many leading tokens of a prompt (a chat or completions body) each engine holds,
-        by tier, according to the proxy's index: what the next decision for it would use."""
-        body = parse_body(await request.body(), config.body_limit_bytes)
-        engines = service.pool.all()
-        measured = None
-        if service.prompts is not None:
-            sizes = {e.index.block_size for e in engines if e.index.block_size}
-            measured = await service.prompts.measure(body, sorted(sizes))
-        if measured is None:
-            raise InvalidRequest("cannot tokenize this body at the proxy")
-        view = {}
-        for e in engines:
-            keys = measured.keys(e.index.block_size)
-            view[e.name] = {"cached_tokens": e.index.cached_keys(keys),
-                            "by_tier": {t: e.index.cached_keys(keys, tier=t)
-                                        for t in e.index.tiers()}}
-        return _json({"prompt_tokens": measured.n_tokens, "engines": view})
-
-    async def scale(request: Request, service: ProxyService) -> Response:
-        """``{"role": "prefill"|"decode", "replicas": N}``: add engines, or drain and remove
-        the newest ones."""
-        if service.scaler is None:
-            raise InvalidRequest("this deployment cannot scale (dev mode); use pdserve ray")
-        order: ScaleRequest = parse_admin(ScaleRequest, await request.body())
-        drain_s = order.drain_timeout_s or config.total_deadline_s
-        return _json(await service.scale(order.role, order.replicas, drain_s))
-
-    async def get_routing(request: Request, service: ProxyService) -> Response:
-        """The routing policy and what each engine is asked to do."""
-        return _json(service.routing())
-
-    async def set_routing(request: Request, service: ProxyService) -> Response:
-        """Switch the policy, and the duties of the pool (``kv_both``) engines, at run time;
-        what is in flight finishes as it started."""
-        order: RoutingRequest = parse_admin(RoutingRequest, await request.body())
-        try:
-            policy = order.policy_mode()
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="policy") from None
-        if policy is not None and policy.kind == "auto" and config.kv_bytes_per_token is None:
-            raise InvalidRequest("policy 'auto' needs the model's KV size", param="policy")
-        try:
-            return _json(service.set_routing(policy, order.prefill, order.decode))
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-
-    async def metrics(request: Request, service: ProxyService) -> Response:
-        return Response(generate_latest(service.metrics.registry),
-                        media_type=CONTENT_TYPE_LATEST)
 
     async def route_error(request: Request, exc: Exception) -> Response:
         """Routing's only errors, unknown paths (404) and wrong methods (405, with Allow),
@@ -258,12 +190,13 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
         Route("/health", guarded(health, ops=True), methods=["GET"]),
-        Route("/metrics", guarded(metrics, ops=True), methods=["GET"]),
-        Route("/pd/costs", guarded(costs, ops=True), methods=["GET"]),
-        Route("/pd/lookup", guarded(lookup), methods=["POST"]),
-        Route("/pd/admin/scale", guarded(scale), methods=["POST"]),
-        Route("/pd/admin/routing", guarded(get_routing), methods=["GET"]),
-        Route("/pd/admin/routing", guarded(set_routing), methods=["POST"]),
+        Route("/metrics", guarded(ops.metrics, ops=True), methods=["GET"]),
+        Route("/pd/costs", guarded(ops.costs, ops=True), methods=["GET"]),
+        Route("/pd/decisions", guarded(ops.decisions, ops=True), methods=["GET"]),
+        Route("/pd/lookup", guarded(ops.lookup), methods=["POST"]),
+        Route("/pd/admin/scale", guarded(ops.scale), methods=["POST"]),
+        Route("/pd/admin/routing", guarded(ops.get_routing), methods=["GET"]),
+        Route("/pd/admin/routing", guarded(ops.set_routing), methods=["POST"]),
     ]
     async def internal_error(request: Request, exc: Exception) -> Response:
         """Whatever escaped a route: logged, and an OpenAI-style 500 (never a traceback or a
@@ -291,7 +224,3 @@ def check_prompt_fits(config: ProxyConfig, service: ProxyService, body: dict[str
             f"However, your request has at least {at_least} input tokens. Please reduce "
             "the length of the input messages.",
             param="messages" if "messages" in body else "prompt")
-
-
-def _json(obj: object) -> Response:
-    return Response(json.dumps(obj).encode(), media_type="application/json")

@@ -65,7 +65,6 @@ class DecodeLeg:
         self._last_frame_at = 0.0
         self._itl: Histogram | None = None  # pd_itl_seconds{route}
         self._decode_span: Any = None  # the open ``decode`` span, when tracing
-        self._t_first = 0.0
         if handoff is None:
             self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
         self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
@@ -191,7 +190,7 @@ class DecodeLeg:
                           kv_tokens=0 if local else plan.decode_new_tokens)
         tracker.stream_started(self, now)
         self._streaming = True
-        self._t_first = now
+        self.trace.t_first = now
         if self.req.spans is not None:
             self._trace_first_byte(now)
         ttft = now - trace.t_start
@@ -257,8 +256,8 @@ class DecodeLeg:
         self.trace.run_deferred()
         if self.req.spans is not None:
             self._end_decode_span(now)  # a whole reply, or no first byte
-            if self._t_first:
-                self.req.spans.stage("relay", self._t_first, now, engine=self.decode.name,
+            if self.trace.t_first:
+                self.req.spans.stage("relay", self.trace.t_first, now, engine=self.decode.name,
                                      route=self.route)
             else:
                 self.req.spans.annotate(route=self.route, decode=self.decode.name)

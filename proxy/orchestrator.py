@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
+from proxy.decision_log import DecisionLog
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_bodies import output_budget, stated_output_budget
 from proxy.errors import DecodeLost, DecodeStalled, NoEngineAvailable, ProxyError
@@ -98,6 +99,8 @@ class Orchestrator:
         #: The engines' context length (what a continuation of a chat stream may fill).
         self.max_model_len = max_model_len
         self._prefill = PrefillLeg(pool, self.ledger, costs, deadlines, metrics)
+        #: The latest decisions and what came of them (``GET /pd/decisions``).
+        self.decisions = DecisionLog()
         self._background: set[asyncio.Task] = set()
 
     async def serve(
@@ -148,6 +151,7 @@ class Orchestrator:
         trace = Trace(time.perf_counter())
         plan = await self.plan(req, prefill, decode)
         self.metrics.decisions_total.labels(plan.decision.route, plan.decision.reason).inc()
+        logged = self.decisions.record(req.request_id, str(self.policy), plan)
         # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
         itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
         claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
@@ -172,8 +176,10 @@ class Orchestrator:
             try:
                 if not req.stream:
                     data = await leg.whole()
+                    logged.taken(leg.route, trace)
                     return Reply(leg.route, 200, data, leg.headers())
                 stream = await leg.open()
+                logged.taken(leg.route, trace)
             except asyncio.CancelledError:
                 stage = "before_response"
                 if leg.handoff is not None and not leg.answered:

@@ -121,6 +121,7 @@ class Decision:
     stall_room: int = 0  # what the streams could still take (``RouteInputs.stall_room``)
     #: Stalls the route spends from every other stream's budget (``slo_stall_budget``).
     stalls: int = 0
+    streams: int = 0  # decoding on (or bound to) the decode engine (``RouteInputs.streams``)
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (
@@ -176,7 +177,8 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         gaps = predict_gaps(inputs, inputs.costs)
 
     def made(route: Route, reason: str) -> Decision:
-        return Decision(route, reason, *predicted, *gaps, inputs.stall_room)
+        return Decision(route, reason, *predicted, *gaps, inputs.stall_room,
+                        streams=inputs.streams)
 
     if not inputs.prefill_available:
         return made("local", "prefill_unavailable")

@@ -18,6 +18,8 @@ class Trace:
     t_handoff: float = 0.0
     #: The decode request was (last) sent.
     t_decode_sent: float = 0.0
+    #: The client had the first bytes (0: not yet).
+    t_first: float = 0.0
     deferred: list[Callable[[], None]] = field(default_factory=list)
 
     def defer(self, work: Callable[[], None]) -> None:

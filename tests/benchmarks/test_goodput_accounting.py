@@ -87,6 +87,8 @@ def test_mixed_dataset_is_read_by_vllms_own_loader(tmp_path):
         tokenizer=tok, num_requests=8, output_len=-1, skip_chat_template=True,
         request_id_prefix="t")
     assert len(samples) == 8
+    # Request i is sent as "<prefix>i": the proxy's decision log joins on that.
+    assert [s.request_id for s in samples] == [f"t{i}" for i in range(8)]
     shares = {out: 0 for _, out, _ in mix}
     for s in samples:
         shares[s.expected_output_len] += 1

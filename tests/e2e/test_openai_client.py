@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -55,3 +56,18 @@ def test_unknown_model_is_404(client):
         client.chat.completions.create(
             model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
+
+
+def test_the_decision_log_shows_what_became_of_a_request(client, tiny_stack):
+    """A streamed completion with its own ``x-request-id`` (as ``vllm bench serve`` sends):
+    ``GET /pd/decisions`` shows its route, the prompt as the engine counted it, and a TTFT."""
+    rid = "decision-log-e2e-1"
+    chunks = list(client.completions.create(
+        model=tiny_stack.model_name, prompt="once upon a time", max_tokens=4, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"x-request-id": rid}))
+    usage = [c.usage for c in chunks if c.usage is not None][-1]
+    r = httpx.get(tiny_stack.proxy_url + "/pd/decisions", params={"request_id": rid}, timeout=10)
+    (entry,) = r.json()["decisions"]
+    assert entry["route_taken"] in ("disaggregated", "local") and entry["reason"]
+    assert entry["prompt_tokens"] == usage.prompt_tokens
+    assert 0 < entry["ttft_ms"] < 120_000

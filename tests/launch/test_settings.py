@@ -19,7 +19,8 @@ from transport.connector import ConnectorOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 #: vLLM's own engine flags the READMEs mention (pdserve sets them; it does not take them).
-VLLM_FLAGS = {"--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-transfer-config"}
+VLLM_FLAGS = {"--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-transfer-config",
+              "--request-id-prefix"}  # (the last: `vllm bench serve`)
 PACKAGES = ("prefill", "decode", "proxy", "transport", "launch", "harness")
 WIRING = dict(decode_urls=("http://d",), served_model_names=("m",), kv_bytes_per_token=10)
 
