@@ -15,6 +15,7 @@ queued prompt tokens. A claim is the only way these numbers change:
     claim.stalled()          # one more gap over the request's gap target (its stall budget)
     claim.hold_stalls(n)     # its route will stall the others there n times: held from their
                              # room until its first byte (drop_hold) or its release
+    claim.expect_start(at)   # prefilled elsewhere: its first token is due here at `at`
 
 A request with a gap target (``itl_s``) may have ``stall_allowance(gaps)`` gaps over it and keep
 its p99 gap within it; :meth:`Ledger.stall_room` is the fewest still left among the requests on
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from proxy.pool import Engine
-from proxy.stall_budget import stall_allowance
+from proxy.stall_budget import Arrival, stall_allowance
 
 
 @dataclass
@@ -65,6 +66,18 @@ class Ledger:
         still take (0 when one has no gap target: its gaps are not known to tolerate any)."""
         return min((c.stall_room for c in self._claims[engine] if c.decodes), default=0)
 
+    def exposure(self, engine: str, now: float) -> tuple[int, tuple[Arrival, ...]]:
+        """The fewest stalls the requests decoding on ``engine`` now (or due to) can still
+        take, and the ones bound there whose first token is expected later (``expect_start``):
+        how far off each is and its room. ``now``: the monotonic clock."""
+        decoding = [c for c in self._claims[engine] if c.decodes]
+        later = [c for c in decoding if c.starts_at is not None and c.starts_at > now]
+        room = min((c.stall_room for c in decoding if c not in later), default=0)
+        assert all(c.starts_at is not None for c in later)
+        arriving = tuple(sorted((Arrival(c.starts_at - now, c.stall_room)  # type: ignore[operator]
+                                 for c in later), key=lambda a: a.in_s))
+        return room, arriving
+
     def _add(self, engine: Engine, prompt: int, output: int, requests: int) -> None:
         load = self._loads[engine.name]
         load.prompt_tokens = max(0, load.prompt_tokens + prompt)
@@ -92,6 +105,9 @@ class Claim:
         self._holding: tuple[list[Claim], int] = ([], 0)
         #: The request decodes there (an output budget): a prefill leg's claim streams nothing.
         self.decodes = self.output_tokens > 0
+        #: When its first token is expected there, while its prompt is prefilled on another
+        #: engine (monotonic clock; None: decoding, or due to).
+        self.starts_at: float | None = None
         #: The engine had none of this proxy's prompt work when this claim's prompt arrived:
         #: a timing taken now measures the work alone (queueing would bias a fit).
         self.was_idle = True
@@ -146,14 +162,22 @@ class Claim:
         """Gaps over the target this request can still take (0 without a target)."""
         return max(0, self._allowance - self.stalls - self.held)
 
+    def expect_start(self, at: float | None) -> None:
+        """Its prompt is prefilled elsewhere and its first token expected here at ``at`` (None:
+        it is decoding, or its KV is on its way)."""
+        self.starts_at = at
+
     def stalled(self) -> None:
         self.stalls += 1
 
-    def hold_stalls(self, n: int) -> None:
+    def hold_stalls(self, n: int, until: float | None = None) -> None:
         """This request's route is to stall every other request decoding on its engine ``n``
         times (its steps come before its first byte): held from their room meanwhile, so that
-        a second arrival cannot spend the same stall before the gap is relayed."""
-        others = [c for c in self._ledger._claims[self.engine.name] if c.decodes and c is not self]
+        a second arrival cannot spend the same stall before the gap is relayed. ``until``: when
+        its steps end; a request due to start decoding later is not stalled by them."""
+        others = [c for c in self._ledger._claims[self.engine.name]
+                  if c.decodes and c is not self
+                  and (until is None or c.starts_at is None or c.starts_at <= until)]
         for c in others:
             c.held += n
         self._holding = (others, n)

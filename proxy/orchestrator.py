@@ -155,17 +155,25 @@ class Orchestrator:
         # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
         itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
         claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
+        disaggregated = plan.decision.route == "disaggregated" and plan.prefill is not None
+        predicted = plan.decision.predicted_s()
+        now = time.monotonic()
+        if disaggregated and predicted is not None:  # routes decided now do not stall it before
+            claim.expect_start(now + predicted)
         if plan.decision.stalls:  # the route spends the streams' stall budget there
-            claim.hold_stalls(plan.decision.stalls)
+            claim.hold_stalls(plan.decision.stalls,
+                              until=now + predicted if predicted is not None else None)
         leg: DecodeLeg | None = None
         try:
             handoff = None
-            if plan.decision.route == "disaggregated" and plan.prefill is not None:
+            if disaggregated:
                 try:
                     handoff = await self._prefill.run(req, plan, trace)
                 except asyncio.CancelledError:  # the client left; closing the request aborted it
                     self.metrics.client_disconnects_total.labels("before_response").inc()
                     raise
+                finally:
+                    claim.expect_start(None)  # its KV is on its way (or it is computed here)
             trace.t_handoff = time.perf_counter()
             leg = DecodeLeg(req, plan, trace, claim, handoff, pool=self.pool,
                             ledger=self.ledger, costs=self.costs, deadlines=self.deadlines,
@@ -218,7 +226,7 @@ class Orchestrator:
         plan = make_plan(req, pool=self.pool, costs=self.costs, policy=self.policy,
                          prompt_chars=prompt_chars(req.body), measured=measured,
                          output_budget=output_budget(req.body), load=self._load,
-                         prefill=prefill, decode=decode, targets=targets)
+                         prefill=prefill, decode=decode, targets=targets, now=time.monotonic())
         if req.spans is not None:
             prefill_name = plan.prefill.name if plan.prefill else None
             req.spans.hold("tokenize", t0, t1, prompt_tokens=plan.prompt_tokens)

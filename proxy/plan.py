@@ -1,11 +1,13 @@
 """Where a request goes: its engines and its route, decided once from what is known when it
-arrives. No I/O and no clock: the prompt was measured before (``proxy/tokenizer_pool.py``).
+arrives. No I/O, and the caller reads the clock: the prompt was measured before
+(``proxy/tokenizer_pool.py``).
 
 ``make_plan`` picks the decode engine with the least outstanding work after this request (its
 prompt tokens that engine has not cached, plus its output budget), then the prefill engine the
 same way among the others (prompt tokens only), and asks the policy for the route of that
-pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``)
-and the request's latency targets.
+pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``),
+which requests bound there are still prefilled elsewhere and when each is due to start
+decoding (``Ledger.exposure``), and the request's latency targets.
 The pool remembers the picks (ties rotate), so picking is the one side effect.
 """
 
@@ -44,9 +46,11 @@ class Plan:
 def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: PolicyMode,
               prompt_chars: int, measured: PromptTokens | None, output_budget: int,
               load: Callable[[Engine], float], prefill: Engine | None = None,
-              decode: Engine | None = None, targets: Targets | None = None) -> Plan:
+              decode: Engine | None = None, targets: Targets | None = None,
+              now: float = 0.0) -> Plan:
     """``prefill``/``decode`` pin the engines (start-up probes); ``load`` is an engine's
-    outstanding work in tokens (``RouteCosts.load_tokens`` with its foreign requests)."""
+    outstanding work in tokens (``RouteCosts.load_tokens`` with its foreign requests); ``now``
+    the monotonic clock's reading (when the requests bound there are due to start decoding)."""
     tokens = measured.n_tokens if measured else costs.token_ratio.tokens(prompt_chars)
     hits: dict[str, int] = {}
 
@@ -66,29 +70,32 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         prefill.foreign_requests if prefill else 0, decode.foreign_requests,
         prefill.mean_prompt_tokens if prefill else None,
     )
-    streams = streams_exposed(costs, decode)
-    # Other clients' streams there: their gaps are not known to tolerate any stall.
     gap_target = targets is not None and targets.itl_s is not None
-    room = costs.ledger.stall_room(decode.name) if gap_target and not decode.foreign_requests \
-        else 0  # (no gap target: no budget to spend, and no walk over the engine's claims)
+    room, arriving = costs.ledger.exposure(decode.name, now)
+    streams = streams_exposed(costs, decode, len(arriving))
+    if not gap_target or decode.foreign_requests:
+        # No gap target: no budget to spend. Other clients' streams there: their gaps are not
+        # known to tolerate any stall.
+        room, arriving = 0, tuple(replace(a, room=0) for a in arriving)
     decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
-        costs=inputs, streams=streams, targets=targets, stall_room=room))
+        costs=inputs, streams=streams, targets=targets, stall_room=room, arriving=arriving))
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
                 targets)
 
 
-def streams_exposed(costs: RouteCosts, decode: Engine) -> int:
-    """The streams a local prefill on ``decode`` would stall: the ones decoding there now,
-    and this proxy's requests bound there that are still being prefilled (on a prefill engine,
-    or queued there): they start decoding while the local prefill runs, and wait on its steps.
-    Counting only the ones already streaming let a long local prefill start on an engine
-    whose next stream was a moment away (a 1.2 s stall at 0.44 req/s, SmolLM2 prefill-heavy).
-    Other clients' requests there count as streams too."""
-    own = max(costs.tracker(decode.name).streams, costs.ledger.load(decode.name).requests)
+def streams_exposed(costs: RouteCosts, decode: Engine, arriving: int = 0) -> int:
+    """The streams decoding on ``decode`` now or about to: the ones relayed from there, and
+    this proxy's requests bound there but for the ``arriving`` ones still prefilled elsewhere
+    (those the policy counts by when they start: ``proxy.policy.exposure``). Counting only the
+    ones already streaming let a long local prefill start on an engine whose next stream was a
+    moment away (a 1.2 s stall at 0.44 req/s, SmolLM2 prefill-heavy). Other clients' requests
+    there count as streams too."""
+    own = max(costs.tracker(decode.name).streams,
+              costs.ledger.load(decode.name).requests - arriving)
     return own + decode.foreign_requests
 
 

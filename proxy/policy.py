@@ -33,34 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from proxy.stall_budget import stalls_needed
+from proxy.policy_mode import PolicyMode
+from proxy.policy_mode import parse_policy as parse_policy  # (re-exported)
+from proxy.stall_budget import Arrival, exposed, stalls_needed
 from transport.cost import LinkModel, PrefillModel, StepModel
 
 Route = Literal["disaggregated", "local"]
-
-
-@dataclass(frozen=True)
-class PolicyMode:
-    kind: Literal["auto", "disaggregate", "local", "threshold"]
-    threshold_tokens: int = 0
-
-    def __str__(self) -> str:
-        return f"threshold:{self.threshold_tokens}" if self.kind == "threshold" else self.kind
-
-
-def parse_policy(text: str) -> PolicyMode:
-    """Parse ``auto``, ``disaggregate`` (also spelled ``disaggregated``, the route it always
-    picks), ``local`` or ``threshold:N``; raise ValueError otherwise."""
-    if text == "disaggregated":
-        text = "disaggregate"
-    if text in ("auto", "disaggregate", "local"):
-        return PolicyMode(text)  # type: ignore[arg-type]
-    if text.startswith("threshold:"):
-        n = int(text.split(":", 1)[1])
-        if n < 0:
-            raise ValueError("threshold must be >= 0")
-        return PolicyMode("threshold", n)
-    raise ValueError(f"unknown policy {text!r} (auto, disaggregate, local, threshold:N)")
 
 
 @dataclass(frozen=True)
@@ -100,12 +78,21 @@ class RouteInputs:
     decode_cached_tokens: int = 0
     prefill_available: bool = True
     costs: CostInputs | None = None
-    #: Streams decoding on the decode engine now (what a local prefill would stall).
+    #: Streams decoding on the decode engine now, or about to (their KV is on its way, or their
+    #: prompt queued there): what a local prefill would stall.
     streams: int = 0
     targets: Targets | None = None
-    #: Gaps over the gap target that every stream exposed on the decode engine can still take
-    #: with its p99 gap within the target (:func:`stall_allowance`, less the stalls it had).
+    #: Gaps over the gap target that each of those streams can still take with its p99 gap within
+    #: the target (:func:`stall_allowance`, less the stalls it had): the fewest.
     stall_room: int = 0
+    #: Requests bound to the decode engine, still being prefilled elsewhere: counted with the
+    #: streams by a route whose steps there end after they start decoding (``exposure``).
+    arriving: tuple[Arrival, ...] = ()
+
+
+def exposure(inputs: RouteInputs, within_s: float | None) -> tuple[int, int]:
+    """The streams a route's steps stall, and their room (``proxy/stall_budget.py``)."""
+    return exposed(inputs.streams, inputs.stall_room, inputs.arriving, within_s)
 
 
 @dataclass(frozen=True)
@@ -121,7 +108,7 @@ class Decision:
     stall_room: int = 0  # what the streams could still take (``RouteInputs.stall_room``)
     #: Stalls the route spends from every other stream's budget (``slo_stall_budget``).
     stalls: int = 0
-    streams: int = 0  # decoding on (or bound to) the decode engine (``RouteInputs.streams``)
+    streams: int = 0  # the streams the route's steps on the decode engine stall (``exposure``)
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (
@@ -146,9 +133,9 @@ def predict(inputs: RouteInputs, costs: CostInputs) -> tuple[float, float]:
         costs.prefill_queue_s + costs.remote_prefill.seconds(remote_new), costs.decode_queue_s
     ) + costs.link.seconds(moved, costs.kv_bytes_per_token)
     local = costs.decode_queue_s + costs.local_prefill.seconds(local_new)
-    if costs.decode_step is not None and inputs.streams:  # each chunk's step also decodes them
-        local += _chunks(local_new, costs.chunk_tokens) * costs.decode_step.stream_s * (
-            inputs.streams)
+    streams, _ = exposure(inputs, local)
+    if costs.decode_step is not None and streams:  # each chunk's step also decodes them
+        local += _chunks(local_new, costs.chunk_tokens) * costs.decode_step.stream_s * streams
     return disagg, local
 
 
@@ -156,16 +143,24 @@ def _chunks(tokens: int, chunk_tokens: int) -> int:
     return -(-tokens // max(1, chunk_tokens)) if tokens > 0 else 0
 
 
-def predict_gaps(inputs: RouteInputs, costs: CostInputs) -> tuple[float | None, float | None]:
+def predict_gaps(inputs: RouteInputs, costs: CostInputs,
+                 predicted: tuple[float, float] | None = None
+                 ) -> tuple[float | None, float | None]:
     """The longest gap between the running streams' tokens each route causes: (disaggregated,
     local). Local: a step that computes the largest prompt chunk beside them; disaggregated: the
-    step during which the KV comes in. None when no stream is running or no step model."""
+    step during which the KV comes in. Each counts the streams exposed until the route's first
+    token (``predicted``: (disaggregated, local) TTFT, else ``predict``'s); None when none is,
+    or no step model."""
     step = costs.decode_step
-    if step is None or inputs.streams <= 0:
+    if step is None:
         return None, None
+    predicted = predicted or predict(inputs, costs)
     local_new = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
-    local = step.seconds(min(local_new, costs.chunk_tokens), inputs.streams)
-    disagg = step.seconds(0, inputs.streams, kv_tokens=local_new)
+    disagg_streams, _ = exposure(inputs, predicted[0])
+    local_streams, _ = exposure(inputs, predicted[1])
+    local = (step.seconds(min(local_new, costs.chunk_tokens), local_streams)
+             if local_streams > 0 else None)
+    disagg = step.seconds(0, disagg_streams, kv_tokens=local_new) if disagg_streams > 0 else None
     return disagg, local
 
 
@@ -174,11 +169,12 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     gaps: tuple[float | None, float | None] = (None, None)
     if inputs.costs is not None:
         predicted = predict(inputs, inputs.costs)
-        gaps = predict_gaps(inputs, inputs.costs)
+        gaps = predict_gaps(inputs, inputs.costs, predicted)
 
     def made(route: Route, reason: str) -> Decision:
-        return Decision(route, reason, *predicted, *gaps, inputs.stall_room,
-                        streams=inputs.streams)
+        ttft = predicted[0] if route == "disaggregated" else predicted[1]
+        streams, room = exposure(inputs, ttft)
+        return Decision(route, reason, *predicted, *gaps, room, streams=streams)
 
     if not inputs.prefill_available:
         return made("local", "prefill_unavailable")
@@ -226,7 +222,7 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     stream)."""
     routes: list[Route] = ["disaggregated", "local"] if inputs.prefill_available else ["local"]
     index = {"disaggregated": 0, "local": 1}
-    streams = inputs.streams
+    exposed = {r: exposure(inputs, predicted[index[r]]) for r in routes}
 
     costs = inputs.costs
     assert costs is not None  # (decide: no targets rule without a cost model)
@@ -236,9 +232,10 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     def judged(route: Route) -> tuple[bool, bool, float, float]:
         ttft = predicted[index[route]] or 0.0
         gap = gaps[index[route]]
+        streams, room = exposed[route]
         ttft_ok = targets.ttft_s is None or ttft <= targets.ttft_s
         itl_ok = targets.itl_s is None or gap is None or gap <= targets.itl_s
-        if not itl_ok and inputs.stall_room >= stalls_needed(route, uncached, costs.chunk_tokens):
+        if not itl_ok and room >= stalls_needed(route, uncached, costs.chunk_tokens):
             itl_ok = True  # each stream's p99 gap stays within the target: no slack left
             budgeted.add(route)
             gap = targets.itl_s
@@ -252,7 +249,7 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     verdicts = {r: judged(r) for r in routes}
     meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
     if "local" in meeting and len(routes) > 1 and _with_margin(
-            predicted[1] or 0.0, gaps[1], targets, streams):
+            predicted[1] or 0.0, gaps[1], targets, exposed["local"][0]):
         return "local", "slo_local_fits"
     if len(meeting) > 1 and targets.ttft_s is None:
         # Only the streams' gap is a target, and both routes meet it: it is a constraint met,

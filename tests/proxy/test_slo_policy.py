@@ -233,3 +233,40 @@ def test_a_budgeted_route_says_how_many_stalls_it_spends():
     assert (spent.reason, spent.stalls) == ("slo_stall_budget", 2)  # two chunks of 512
     within = decide(AUTO, RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2))
     assert (within.reason, within.stalls) == ("slo_local_fits", 0)
+
+
+def test_a_short_local_prefill_does_not_stall_streams_that_start_after_it():
+    """Two long prompts bound to the decode engine are still prefilled on the prefill engine
+    (their first tokens due in 3 s and 7 s), with no stall room. A 64-token arrival's local
+    prefill (26 ms) ends before either starts decoding: it stalls nobody, and it is taken
+    (prefilled elsewhere, it would wait 4 s behind them: the SmolLM2 mixed run's misses).
+    The same arrivals due within its local prefill are stalled by it: disaggregated."""
+    from proxy.stall_budget import Arrival
+
+    busy_prefill = costs(prefill_queue_s=4.0)
+    later = (Arrival(3.0, 0), Arrival(7.0, 0))
+    d = decide(AUTO, RouteInputs(64, costs=busy_prefill, targets=Targets(itl_s=0.01),
+                                 arriving=later))
+    assert (d.route, d.reason, d.streams) == ("local", "slo_local_fits", 0)
+    assert d.gap_local_s is None  # no stream decodes beside it
+    # A disaggregated route's KV-in step (after 4 s) comes after the first of them starts.
+    assert d.gap_disaggregated_s == pytest.approx(STEP.seconds(0, 1, kv_tokens=64))
+
+    soon = (Arrival(0.005, 0), Arrival(7.0, 0))
+    d = decide(AUTO, RouteInputs(64, costs=busy_prefill, targets=Targets(itl_s=0.01),
+                                 arriving=soon))
+    assert (d.route, d.reason, d.streams) == ("disaggregated", "slo_protects_streams", 1)
+    # Counted as decoding now (what the proxy did before), the far ones protect nothing real.
+    d = decide(AUTO, RouteInputs(64, costs=busy_prefill, targets=Targets(itl_s=0.01),
+                                 streams=2))
+    assert d.route == "disaggregated"
+
+
+def test_the_exposed_streams_room_is_the_fewest_among_them():
+    from proxy.stall_budget import Arrival, exposed
+
+    arriving = (Arrival(0.1, 1), Arrival(5.0, 0))
+    assert exposed(0, 0, arriving, 1.0) == (1, 1)  # the 5 s one starts after the steps end
+    assert exposed(2, 3, arriving, 1.0) == (3, 1)
+    assert exposed(2, 3, arriving, None) == (4, 0)  # None: every arrival
+    assert exposed(0, 0, (), 1.0) == (0, 0)  # nobody: no room, no streams

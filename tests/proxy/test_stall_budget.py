@@ -167,3 +167,58 @@ async def test_the_orchestrator_holds_a_budgeted_routes_stalls_until_its_first_b
             async for _ in lines:
                 pass
         await wait_until(lambda: not ledger._claims[name], "claims released")
+
+
+def test_requests_prefilled_elsewhere_are_exposed_by_when_they_start_decoding():
+    ledger, d0 = Ledger(), Named("d0")
+    now = 100.0
+    streaming = ledger.claim(d0, output_tokens=256, itl_s=0.05)  # room 2
+    bound = ledger.claim(d0, output_tokens=16, itl_s=0.05)  # 15 gaps: room 0
+    bound.expect_start(now + 4.0)  # its prompt is prefilled on another engine
+    room, arriving = ledger.exposure("d0", now)
+    assert room == 2 and [(a.in_s, a.room) for a in arriving] == [(4.0, 0)]
+    assert ledger.exposure("d0", now + 5.0) == (0, ())  # overdue: counted as decoding
+    # A route whose steps end in 1 s holds no stall from it; one ending after it starts does.
+    arrival = ledger.claim(d0, output_tokens=64, itl_s=0.05)
+    arrival.hold_stalls(1, until=now + 1.0)
+    assert (streaming.held, bound.held) == (1, 0)
+    arrival.drop_hold()
+    arrival.hold_stalls(1, until=now + 4.5)
+    assert (streaming.held, bound.held) == (1, 1)
+    arrival.drop_hold()
+    bound.expect_start(None)  # its KV is on its way
+    assert ledger.exposure("d0", now) == (0, ())
+
+
+async def test_a_request_is_an_arrival_on_its_decode_engine_until_its_prefill_is_done(
+        prefill, decode):
+    """While its prompt is prefilled on the prefill engine, a disaggregated request's decode
+    claim says when it is due to start decoding (what a local prefill there may end before);
+    once the prefill engine has answered, it counts as decoding there."""
+    import time
+
+    prefill.prefill_gate = gate = asyncio.Event()
+    hold_streams_open(decode, after_frames=2)
+    async with live_proxy(proxy_config(prefill, decode)) as lp, httpx.AsyncClient() as c:
+        ledger, name = lp.state.orchestrator.ledger, engine_name(lp, decode)
+        body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
+                "slo": {"itl_ms": 10_000}}
+        first = asyncio.Event()
+
+        async def stream() -> None:
+            async with c.stream("POST", lp.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"text":"t' in line:
+                        first.set()
+
+        streamed = asyncio.ensure_future(stream())
+        await wait_until(lambda: ledger.exposure(name, time.monotonic())[1], "an arrival")
+        room, (arrival,) = ledger.exposure(name, time.monotonic())
+        assert room == 0 and 0 < arrival.in_s < 60  # its predicted TTFT, from now
+        assert arrival.room == 2  # 255 gaps
+        gate.set()
+        await asyncio.wait_for(first.wait(), 30)
+        assert ledger.exposure(name, time.monotonic()) == (2, ())  # decoding there
+        decode.decode_gate.set()
+        await asyncio.wait_for(streamed, 30)
+        await wait_until(lambda: not ledger._claims[name], "claims released")
