@@ -236,10 +236,20 @@ class StepFit:
         w = _recency_weights(len(y), self._half_life)
         coef = np.zeros(4)
         sub = _nonneg_lstsq(x[:, cols] * w[:, None], y * w)
-        resid = np.abs(x[:, cols] @ sub - y)
-        keep = resid <= 3.0 * max(float(np.median(resid)), 1e-4)
+        predicted = x[:, cols] @ sub
+        resid = np.abs(predicted - y)
+        # Off by 3 median residuals *and* by half its own prediction: a 60 ms step that took
+        # 2 s is dropped; a 4.3 s prefill step that took 4.6 s is not (judged by the decode
+        # steps' millisecond residuals alone, every prefill step was an outlier, and the
+        # prefill term fell to 0: 73 ms predicted for a 1,023-token chunk, SmolLM2 goodput).
+        keep = resid <= np.maximum(3.0 * max(float(np.median(resid)), 1e-4),
+                                   0.5 * np.abs(predicted))
         if keep.sum() >= self._min and not keep.all():
-            sub = _nonneg_lstsq(x[keep][:, cols] * w[keep][:, None], y[keep] * w[keep])
+            kept = x[keep]
+            free = (True,) + tuple(bool(np.ptp(kept[:, i]) >= self.MIN_SPAN[i - 1])
+                                   for i in (1, 2, 3))
+            cols = [i for i in range(4) if free[i]]
+            sub = _nonneg_lstsq(kept[:, cols] * w[keep][:, None], y[keep] * w[keep])
         coef[cols] = sub
         self._fitted = (coef, free)
         self._model = None

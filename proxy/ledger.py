@@ -27,7 +27,10 @@ after a partial release is safe. Not thread-safe: used on the event loop.
 
 from __future__ import annotations
 
+import math
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -45,9 +48,12 @@ class EngineLoad:
 
 
 class Ledger:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._loads: dict[str, EngineLoad] = defaultdict(EngineLoad)
         self._claims: dict[str, set[Claim]] = defaultdict(set)  # the open claims per engine
+        self.clock = clock
+        #: When each engine last finished (or dropped) a prompt of this proxy's.
+        self._prompt_ended: dict[str, float] = {}
 
     def load(self, engine: str) -> EngineLoad:
         """``engine``'s current load (a live view: do not change it)."""
@@ -60,6 +66,17 @@ class Ledger:
               itl_s: float | None = None) -> Claim:
         """``itl_s``: the request's gap target (its stall budget counts gaps over it)."""
         return Claim(self, engine, prompt_tokens, output_tokens, itl_s)
+
+    def queued_prompts(self, engine: str) -> tuple[list[int], float]:
+        """The prompt work queued on ``engine``, one entry per request (oldest first), and how
+        long the oldest has been computed: since it was queued, or since the prompt before it
+        there ended (an engine computes what it was sent in turn)."""
+        pending = sorted((c for c in self._claims[engine] if c.prompt_tokens),
+                         key=lambda c: c.prompt_at)
+        if not pending:
+            return [], 0.0
+        started = max(pending[0].prompt_at, self._prompt_ended.get(engine, -math.inf))
+        return [c.prompt_tokens for c in pending], max(0.0, self.clock() - started)
 
     def stall_room(self, engine: str) -> int:
         """Gaps over its target that every request decoding on ``engine`` (or bound to) can
@@ -94,6 +111,7 @@ class Claim:
         self._ledger = ledger
         self.engine = engine
         self.prompt_tokens = 0
+        self.prompt_at = 0.0  # when its prompt work was queued (the ledger's clock)
         self.output_tokens = max(0, output_tokens)
         self._open = True
         #: The request's gap target, and the gaps over it it may have (its budget's gaps).
@@ -121,6 +139,8 @@ class Claim:
         self.was_idle = self._ledger.load(self.engine.name).prompt_tokens == 0
         tokens = max(0, tokens)
         if self._open and tokens:
+            if not self.prompt_tokens:
+                self.prompt_at = self._ledger.clock()
             self.prompt_tokens += tokens
             self._ledger._add(self.engine, tokens, 0, 0)
         return self.was_idle
@@ -129,6 +149,7 @@ class Claim:
         if self.prompt_tokens:
             self._ledger._add(self.engine, -self.prompt_tokens, 0, 0)
             self.prompt_tokens = 0
+            self._ledger._prompt_ended[self.engine.name] = self._ledger.clock()
 
     def output_done(self, tokens: int | None = None) -> None:
         n = self.output_tokens if tokens is None else min(max(0, tokens), self.output_tokens)
@@ -147,10 +168,13 @@ class Claim:
         self.engine = engine
         if prompt:
             self.was_idle = self._ledger.load(engine.name).prompt_tokens == 0
+            self.prompt_at = self._ledger.clock()  # queued anew there
         self._ledger._add(engine, prompt, output, 1)
 
     def release(self) -> None:
         if self._open:
+            if self.prompt_tokens:
+                self._ledger._prompt_ended[self.engine.name] = self._ledger.clock()
             self._ledger._add(self.engine, -self.prompt_tokens, -self.output_tokens, -1)
             self.prompt_tokens = self.output_tokens = 0
             self._open = False

@@ -50,6 +50,35 @@ def test_an_outlier_does_not_bend_the_fit():
     assert fit.model(PRIOR).seconds(512, 4) == pytest.approx(TRUE.seconds(512, 4), rel=0.05)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_rare_noisy_prefill_steps_among_many_decode_steps_still_make_the_prefill_term(seed):
+    """What a CPU engine serving a mix records (SmolLM2): hundreds of ~65 ms decode steps with
+    millisecond noise, a few whole 1,023-token prefills in one step each (4.2-4.7 s), some
+    64-token ones, KV pulls, and steps stalled by the box (2 s). Judged against the decode steps'
+    residuals alone, every prefill step was an outlier and the prefill term fell to 0: a
+    1,023-token chunk predicted at 77 ms. The stalled steps still bend nothing."""
+    import random
+
+    rng = random.Random(seed)
+    fit = StepFit()
+    for _ in range(400):
+        r, streams = rng.random(), rng.randint(1, 6)
+        if r < 0.01:
+            row = (1023, streams, 0, 4.2 + rng.uniform(-0.2, 0.5))
+        elif r < 0.03:
+            row = (63, streams, 0, 0.28 + rng.uniform(-0.03, 0.05))
+        elif r < 0.05:
+            row = (0, streams, rng.choice([63, 1023]), 0.06 + rng.uniform(0, 0.05))
+        elif r < 0.06:
+            row = (0, streams, 0, 2.0)
+        else:
+            row = (0, streams, 0, 0.055 + 0.003 * streams + rng.uniform(0, 0.02))
+        fit.observe(*row)
+    m = fit.model(PRIOR)
+    assert 4.0 < m.seconds(1023, 4) < 5.0
+    assert m.seconds(0, 4) < 0.1
+
+
 def test_terms_never_seen_keep_the_prior():
     fit = StepFit()
     for streams in range(1, 6):  # decode steps only: nothing says what a prefill costs
