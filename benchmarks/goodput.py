@@ -13,6 +13,9 @@ One ``pdserve dev --layout pool`` stack per model: two engines that may each pre
 - ``slo``: 1P+1D with ``auto`` given the run's targets (each request carries them as its
   ``slo``; for the mixed workload only the ITL target, its TTFT targets differing per prompt
   length): it also weighs the stall a local prefill puts on the streams decoding there;
+- ``slo_ttft``: ``slo`` with each request carrying both targets of its own prompt length (the
+  TTFT target too, on the mixed workload: what a client that knows its targets per request
+  class sends; ``with_own_targets``);
 - ``slo_pool``: the same rule on the pool, where both engines prefill and decode and the
   policy picks the pair per request;
 - any arm given with ``--extra-arm name=policy[@pool]``.
@@ -96,7 +99,9 @@ POOL = ["engine-0", "engine-1"]
 
 
 #: Arms whose requests carry the run's targets as their own ``slo`` (the others carry none).
-WITH_TARGETS = {"slo", "slo_pool"}
+WITH_TARGETS = {"slo", "slo_pool", "slo_ttft"}
+#: ... each request its own prompt length's TTFT target as well (on a mix: ``with_own_targets``).
+OWN_TTFT_TARGET = {"slo_ttft"}
 
 
 def arm_routings(workload: str, extra: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -106,6 +111,7 @@ def arm_routings(workload: str, extra: dict[str, str]) -> dict[str, dict[str, An
         "disaggregated": {"policy": "disaggregate", **split},
         "auto": {"policy": "auto", **split},
         "slo": {"policy": "auto", **split},
+        "slo_ttft": {"policy": "auto", **split},
         "slo_pool": {"policy": "auto", "prefill": POOL, "decode": POOL},
     }
     if workload in THRESHOLD:
@@ -129,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--itl-factor", type=float, default=3.0)
     p.add_argument("--arms", default=None,
                    help="which arms (default: all): aggregated, disaggregated, threshold, auto, "
-                        "slo, slo_pool and any --extra-arm")
+                        "slo, slo_ttft, slo_pool and any --extra-arm")
     p.add_argument("--extra-arm", action="append", default=[],
                    help="name=policy or name=policy@pool (both engines prefill and decode)")
     p.add_argument("--quick", action="store_true",
@@ -151,10 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate: float,
           seed: int, data_dir: Path, concurrency: int | None = None,
-          slo: dict[str, float] | None = None, request_id_prefix: str | None = None
-          ) -> dict[str, Any]:
+          slo: dict[str, float] | None = None, request_id_prefix: str | None = None,
+          ttft_ms: dict[str, float] | None = None) -> dict[str, Any]:
     """One ``vllm bench serve`` run against the proxy; its result with per-request detail.
-    Request i is sent with ``x-request-id: <request_id_prefix>i``."""
+    Request i is sent with ``x-request-id: <request_id_prefix>i``. ``ttft_ms`` (TTFT target per
+    prompt length): each request's ``slo`` also carries its own (``with_own_targets``)."""
+    import vllm.benchmarks.serve as serve
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -184,7 +192,27 @@ def bench(base_url: str, model: str, tokenizer: str, workload: str, n: int, rate
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(argv)
-    return bench_main(args)
+    if not (slo and ttft_ms):
+        return bench_main(args)
+    # vLLM's own per-request body (``SampleRequest.request_overrides``, merged over
+    # --extra-body), set on the requests its loader made.
+    sampled = serve.get_samples
+    serve.get_samples = lambda *a, **k: with_own_targets(sampled(*a, **k), mix, slo, ttft_ms)
+    try:
+        return bench_main(args)
+    finally:
+        serve.get_samples = sampled
+
+
+def with_own_targets(samples: list[Any], mix, slo: dict[str, float],
+                     ttft_ms: dict[str, float]) -> list[Any]:
+    """Each of vLLM's sampled requests with an ``slo`` of the run's targets and the TTFT target
+    of its own prompt length (``request_class``)."""
+    for sample in samples:
+        own = ttft_ms[str(request_class(sample.prompt_len, mix))]
+        sample.request_overrides = {**(sample.request_overrides or {}),
+                                    "slo": {**slo, "ttft_ms": own}}
+    return samples
 
 
 def mixed_dataset(tokenizer: str, mix, n: int, seed: int, data_dir: Path) -> Path:
@@ -452,6 +480,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
             slo = {"itl_ms": 1e3 * targets["itl_s"]}
             if len(mix) == 1:
                 slo["ttft_ms"] = 1e3 * next(iter(targets["ttft_s"].values()))
+            own_ttft = {k: 1e3 * v for k, v in targets["ttft_s"].items()}
             log(f"{model}/{workload}: unloaded TTFT {unloaded['ttft_s']} s, p99 gap "
                 f"{unloaded['itl_s'] * 1e3:.1f} ms -> targets {targets}; capacity "
                 f"{capacity:.3f} req/s -> rates {rates}")
@@ -470,7 +499,8 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                         prefix = f"{arm}-r{repeat}-{i}-"
                         result = bench(proxy, served, tokenizer, workload, n, rate, seed,
                                        data_dir, slo=slo if arm in WITH_TARGETS else None,
-                                       request_id_prefix=prefix)
+                                       request_id_prefix=prefix,
+                                       ttft_ms=own_ttft if arm in OWN_TTFT_TARGET else None)
                         after = proxy_metrics(proxy)
                         score = attainment(result, targets, mix)
                         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -497,7 +527,7 @@ def run_model(args: argparse.Namespace, model: str, workloads: list[str],
                                                     for r in range(args.repeats)],
                                 "failed": sum(p["failed"] for p in pts)}
             out["workloads"][workload] = {"unloaded": unloaded, "targets": targets,
-                                          "slo_sent": slo,
+                                          "slo_sent": slo, "ttft_ms_own": own_ttft,
                                           "capacity_req_s": capacity, "rates": rates,
                                           "arms": {a: arms[a] for a in arms},
                                           "points": points, "summary": summary}

@@ -116,3 +116,26 @@ def test_mean_attainment_is_one_repeats_curve_averaged_over_rates():
     points = [{"repeat": 0, "attainment": a} for a in (1.0, 0.5, 0.0)] + [
         {"repeat": 1, "attainment": 0.9}]
     assert mean_attainment(points, 0) == 0.5 and mean_attainment(points, 1) == 0.9
+
+
+def test_each_request_carries_the_ttft_target_of_its_own_prompt_length(tmp_path):
+    """The ``slo_ttft`` arm: vLLM's sampled requests each get a per-request body (vLLM merges
+    ``request_overrides`` over ``--extra-body``) with the run's gap target and the TTFT target
+    of the prompt length it stands for."""
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets.datasets import CustomDataset
+
+    from benchmarks.goodput import with_own_targets
+    from launch.models import ensure_model
+
+    tokenizer = str(ensure_model("tiny"))
+    mix = WORKLOADS["mixed"]
+    path = mixed_dataset(tokenizer, mix, 8, seed=3, data_dir=tmp_path)
+    samples = CustomDataset(dataset_path=str(path), random_seed=0).sample(
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer), num_requests=8, output_len=-1,
+        skip_chat_template=True)
+    out = with_own_targets(samples, mix, {"itl_ms": 90.0}, {"1024": 4000.0, "64": 300.0})
+    for s in out:
+        ttft = 4000.0 if s.expected_output_len == 16 else 300.0  # 1,024-token prompts: 16 out
+        assert s.request_overrides == {"slo": {"itl_ms": 90.0, "ttft_ms": ttft}}
+    assert {s.request_overrides["slo"]["ttft_ms"] for s in out} == {4000.0, 300.0}
