@@ -45,19 +45,27 @@ class LinkModel:
 
 @dataclass(frozen=True)
 class StepModel:
-    """Seconds one decode engine's step takes: ``fixed_s + prefill_s * prefill tokens in the
-    step + stream_s * streams decoding + kv_in_s * KV tokens pulled in meanwhile`` (the shape of
-    DistServe's simulator and Dynamo's regression model, plus a term for the CPU a KV pull
-    takes from the steps on a CPU engine). Streams decoding there wait one step per token: a
-    step that also computes a prompt chunk is a longer gap between their tokens."""
+    """Seconds one decode engine's step takes: ``fixed_s + prefill_s * n + prefill_quad_s * n^2
+    (n: prefill tokens in the step) + stream_s * streams decoding + kv_in_s * KV tokens pulled
+    in meanwhile`` (the shape of DistServe's simulator and Dynamo's regression model, with the
+    prefill term in the local prefill model's own shape, attention making a token of a long
+    chunk dearer than one of a short chunk, plus a term for the CPU a KV pull takes from the
+    steps on a CPU engine). Streams decoding there wait one step per token: a step that also
+    computes a prompt chunk is a longer gap between their tokens."""
 
     fixed_s: float
     prefill_s: float
     stream_s: float
     kv_in_s: float = 0.0
+    prefill_quad_s: float = 0.0
+
+    def prefill_seconds(self, prefill_tokens: int) -> float:
+        """What a chunk of ``prefill_tokens`` adds to the step."""
+        n = max(0, prefill_tokens)
+        return self.prefill_s * n + self.prefill_quad_s * n * n
 
     def seconds(self, prefill_tokens: int = 0, streams: int = 0, kv_tokens: int = 0) -> float:
-        return (self.fixed_s + self.prefill_s * max(0, prefill_tokens)
+        return (self.fixed_s + self.prefill_seconds(prefill_tokens)
                 + self.stream_s * max(0, streams) + self.kv_in_s * max(0, kv_tokens))
 
 

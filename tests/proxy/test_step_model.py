@@ -7,7 +7,7 @@ import pytest
 
 from proxy.estimators import StepFit
 from proxy.step_tracker import KEEP_DONE_S, StepTracker
-from transport.cost import StepModel
+from transport.cost import PrefillModel, StepModel
 
 TRUE = StepModel(fixed_s=0.004, prefill_s=0.0002, stream_s=0.0005, kv_in_s=0.00001)
 PRIOR = StepModel(fixed_s=0.01, prefill_s=0.001, stream_s=0.001, kv_in_s=0.0)
@@ -156,3 +156,61 @@ def test_the_reporter_hands_over_when_its_stream_ends():
     t.stream_ended(a)
     t.frame(b, 0.6)
     assert [x[3] for x in samples] == [pytest.approx(0.1)] and samples[0][1] == 1
+
+
+#: SmolLM2 on this box, roughly: 64 tokens ~0.19 s, 1,023 tokens ~4.4 s of prefill compute
+#: (attention makes a token of a long chunk dearer), beside ~58 ms decode steps.
+SHAPE = StepModel(fixed_s=0.058, prefill_s=0.0029, prefill_quad_s=1.4e-6, stream_s=0.0005)
+
+
+def test_steps_with_long_chunks_price_a_short_chunk_in_the_prior_shape():
+    """Only 1,023-token chunks were seen beside the streams (the long half of a mix went
+    local). A straight line through them and the decode steps prices a 64-token chunk at the
+    long chunk's per-token cost: 0.34 s for a 0.25 s step. The prior's shape, scaled by what
+    was seen, prices both."""
+    truth = SHAPE
+    fit = StepFit()
+    for i in range(240):
+        streams = 1 + i % 4
+        fit.observe(1023 if i % 40 == 39 else 0, streams, 0,
+                    truth.seconds(1023 if i % 40 == 39 else 0, streams))
+    # The prior's shape (the local prefill model's), 20 % off in scale.
+    prior = StepModel(fixed_s=0.005, prefill_s=truth.prefill_s * 1.2,
+                      prefill_quad_s=truth.prefill_quad_s * 1.2, stream_s=0.0005)
+    fit.model(prior)  # the shape the next refit scales
+    for i in range(32):
+        fit.observe(0, 2, 0, truth.seconds(0, 2))
+    m = fit.model(prior)
+    assert m.seconds(1023, 2) == pytest.approx(truth.seconds(1023, 2), rel=0.03)
+    assert m.seconds(64, 2) == pytest.approx(truth.seconds(64, 2), rel=0.05)
+
+
+def test_the_prior_prices_a_chunk_at_the_local_prefill_models_own_shape():
+    """Before any step beside the streams carried a prompt, a chunk of n tokens costs what the
+    engine's local prefill model says n tokens cost (less its fixed part, which is the step's).
+    Taking the per-token cost of a full 2,048-token chunk priced 64 tokens at 2x."""
+    from proxy.costs import RouteCosts
+
+    costs = RouteCosts(kv_bytes_per_token=1000, chunk_tokens=2048)
+    local = PrefillModel(fixed_s=0.06, tokens_per_s=1 / 0.0029, quad_s=1.4e-6)
+    for n in (32, 64, 128, 256, 512, 768, 1023, 64, 1023, 256):
+        costs.observe_local_prefill("decode-0", n, local.seconds(n))
+    step = costs.step_model("decode-0")
+    for n in (64, 1023):
+        assert step.prefill_seconds(n) == pytest.approx(local.seconds(n) - local.fixed_s,
+                                                        rel=0.05)
+
+
+def test_one_step_with_a_kv_pull_does_not_make_the_kv_term():
+    """A KV pull that ran beside a local prefill: its one step is slow for the prefill's sake.
+    Fitted alone it would price a token of KV at seconds' worth of a stall."""
+    fit = StepFit()
+    for i in range(120):
+        chunk = 1023 if i % 20 == 19 else 0
+        fit.observe(chunk, 2, 0, SHAPE.seconds(chunk, 2))
+    fit.observe(512, 2, 200, SHAPE.seconds(1023, 2))  # slower than its 512 tokens explain
+    for i in range(40):
+        fit.observe(0, 2, 0, SHAPE.seconds(0, 2))
+    prior = StepModel(fixed_s=0.005, prefill_s=SHAPE.prefill_s,
+                      prefill_quad_s=SHAPE.prefill_quad_s, stream_s=0.0005, kv_in_s=1e-5)
+    assert fit.model(prior).kv_in_s == prior.kv_in_s
