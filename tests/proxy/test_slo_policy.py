@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.policy import CostInputs, PolicyMode, RouteInputs, Targets, decide, predict_gaps
+from proxy.stall_budget import Arrival
 from transport.cost import LinkModel, PrefillModel, StepModel
 
 AUTO = PolicyMode("auto")
@@ -149,9 +150,27 @@ def test_gaps_predicted_per_route():
 def test_the_streams_decoding_beside_a_local_prefill_lengthen_its_ttft():
     alone = decide(AUTO, RouteInputs(2000, costs=costs(chunk=512), streams=0))
     busy = decide(AUTO, RouteInputs(2000, costs=costs(chunk=512), streams=8))
-    # 4 chunks, each step also decodes the 8 streams: 4 x 8 x 0.5 ms more.
-    assert busy.predicted_local_s - alone.predicted_local_s == pytest.approx(0.016)
+    # Half the 9 ms step in flight (5 ms + 8 x 0.5 ms), then 4 chunks, each step also
+    # decoding the 8 streams: 4 x 8 x 0.5 ms.
+    assert busy.predicted_local_s - alone.predicted_local_s == pytest.approx(0.0045 + 0.016)
     assert busy.predicted_disaggregated_s == alone.predicted_disaggregated_s
+
+
+@pytest.mark.parametrize("streams", [1, 6])
+def test_a_local_prompt_beside_streams_waits_for_half_the_step_in_flight(streams):
+    """The local prefill model is timed alone. Beside streams a prompt first waits for the
+    step they are in: 64-token prompts on tiny took 4.6 ms more beside one stream, 11 ms
+    beside six, where the fit alone predicted them to the millisecond."""
+    alone = decide(AUTO, RouteInputs(64, costs=costs(), streams=0))
+    busy = decide(AUTO, RouteInputs(64, costs=costs(), streams=streams))
+    in_flight = STEP.seconds(0, streams)
+    assert busy.predicted_local_s - alone.predicted_local_s == pytest.approx(
+        0.5 * in_flight + STEP.stream_s * streams)
+    # Only streams decoding now are in that step. One due to start decoding first is decoded
+    # beside the prompt's chunk, but no step of it is in flight yet.
+    due = decide(AUTO, RouteInputs(64, costs=costs(), streams=0,
+                                   arriving=(Arrival(in_s=0.001, room=5),)))
+    assert due.predicted_local_s - alone.predicted_local_s == pytest.approx(STEP.stream_s)
 
 
 def test_slacks_within_the_tie_margin_go_local():
