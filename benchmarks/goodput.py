@@ -300,7 +300,8 @@ def set_routing(proxy: str, routing: dict[str, Any]) -> None:
 def decisions(proxy: str, prefix: str, n: int) -> list[dict[str, Any] | None]:
     """The proxy's decision for each of a run's ``n`` requests (``GET /pd/decisions``; the
     first, for a stream migrated to another engine), in request order: route taken, reason,
-    predicted and measured TTFT (ms), the streams it was told of and their stall room."""
+    predicted and measured TTFT (ms), the streams it was told of and their stall room, and
+    both routes' predicted TTFT and gap."""
     url = f"{proxy}/pd/decisions?prefix={prefix}&limit={4 * n}"
     with urllib.request.urlopen(url, timeout=30) as r:
         entries = json.load(r)["decisions"]
@@ -313,7 +314,10 @@ def decisions(proxy: str, prefix: str, n: int) -> list[dict[str, Any] | None]:
                       "predicted_ms": e["predicted_ttft_ms"][e["route"]],
                       "ttft_ms": e["ttft_ms"], "prompt_tokens": e["prompt_tokens"],
                       "streams": e["streams"], "stall_room": e["stall_room"],
-                      "gap_ms": e["predicted_gap_ms"][e["route"]]}
+                      "gap_ms": e["predicted_gap_ms"][e["route"]],
+                      # Both routes' predictions: why the other one lost.
+                      "estimate": {"ttft_ms": e["predicted_ttft_ms"],
+                                   "gap_ms": e["predicted_gap_ms"]}}
     return out
 
 
