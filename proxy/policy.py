@@ -17,8 +17,8 @@ KV then would occupy a second engine and the link for nothing the targets ask fo
 prefill engine is what later long prompts queue on. Otherwise the routes that meet both
 targets are kept and the one with the most slack taken (local when the slacks are within
 ``SLACK_TIE``); with a gap target alone, the faster of them (a constraint met, the arrival's
-TTFT is what is left); when none does, the least violation, with the streams' ITL violation
-counted once per stream (they are many, the arrival is one).
+TTFT is what is left); when none does, the one that puts the fewest requests over a target
+(the arrival, and each stream stalled past its room), then the least violation.
 
 The gap target is each stream's p99 gap (nearest rank): a stream of n gaps may have
 ``stall_allowance(n)`` over it. A route over the target still meets it (no gap slack) when the
@@ -224,8 +224,8 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
                  gaps: tuple[float | None, ...]) -> tuple[Route, str]:
     """Local when it meets both targets with ``LOCAL_MARGIN`` to spare; else keep the routes
     that meet both targets and take the one with the most slack (with a gap target alone, the
-    faster); when none does, the least violation (the streams' ITL violation counted once per
-    stream)."""
+    faster); when none does, the fewest requests over a target, then the least violation (the
+    streams' ITL violation counted once per stream)."""
     routes: list[Route] = ["disaggregated", "local"] if inputs.prefill_available else ["local"]
     index = {"disaggregated": 0, "local": 1}
     exposed = {r: exposure(inputs, predicted[index[r]]) for r in routes}
@@ -235,7 +235,7 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
     budgeted: set[Route] = set()  # routes over the gap target that the streams' room absorbs
     uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
 
-    def judged(route: Route) -> tuple[bool, bool, float, float]:
+    def judged(route: Route) -> tuple[bool, bool, float, float, int]:
         ttft = predicted[index[route]] or 0.0
         gap = gaps[index[route]]
         streams, room = exposed[route]
@@ -250,7 +250,8 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
             slacks.append((targets.itl_s - gap) / targets.itl_s)
         violation = (max(0.0, ttft / targets.ttft_s - 1) if targets.ttft_s else 0.0) + (
             streams * max(0.0, gap / targets.itl_s - 1) if targets.itl_s and gap else 0.0)
-        return ttft_ok, itl_ok, min(slacks, default=0.0), violation
+        misses = (not ttft_ok) + (0 if itl_ok else streams)
+        return ttft_ok, itl_ok, min(slacks, default=0.0), violation, misses
 
     verdicts = {r: judged(r) for r in routes}
     meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
@@ -281,7 +282,10 @@ def _for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float |
             return best, "slo_most_slack"
         other = next(r for r in routes if r != best)
         return best, "slo_protects_streams" if not verdicts[other][1] else "slo_ttft_target"
-    best = min(routes, key=lambda r: (verdicts[r][3], predicted[index[r]] or 0.0))
+    # Goodput counts requests: an arrival late either way loses nothing more by waiting, the
+    # streams a local prefill stalls would be lost with it (SmolLM2, goodput_mixed_s39).
+    best = min(routes, key=lambda r: (verdicts[r][4], verdicts[r][3],
+                                      predicted[index[r]] or 0.0))
     return best, "slo_least_violation"
 
 

@@ -74,6 +74,15 @@ CASES = [
     ("both miss with one stream: the arrival's TTFT violation weighs more",
      RouteInputs(1000, costs=costs(prefill_queue_s=20.0), streams=1, targets=T),
      "local", "slo_least_violation"),
+    ("both miss the arrival's TTFT target (2.3 s local, 4.3 s disaggregated, against 1 s) and "
+     "local also stalls its one stream over the gap target: disaggregated, one request late "
+     "instead of two, though local's overshoot is the smaller",
+     RouteInputs(1000, costs=costs(prefill_queue_s=4.0, decode_queue_s=2.0), streams=1,
+                 targets=T), "disaggregated", "slo_least_violation"),
+    ("both miss the TTFT target and neither stalls a stream over the gap target: the smaller "
+     "overshoot, local",
+     RouteInputs(1000, costs=costs(prefill_queue_s=4.0, decode_queue_s=2.0), streams=0,
+                 targets=T), "local", "slo_least_violation"),
     ("no step model yet, streams running: their gap unknown, so local is not known to fit; "
      "TTFT slack decides",
      RouteInputs(1000, costs=costs(step=None), streams=4, targets=T), "local",
