@@ -1,15 +1,17 @@
-"""How long a local prefill stalls the streams decoding beside it, measured against the gap the
-proxy predicted for it (``x-pd-estimate``'s ``gap_local``: the decode engine's step model).
+"""How long an arrival stalls the streams decoding beside it, measured against the gap the
+proxy predicted for it (``x-pd-estimate``'s ``gap_local`` or ``gap_disaggregated``: the decode
+engine's step model).
 
-One ``pdserve dev`` stack (1P+1D, ``--policy local``). Each round: two long greedy streams
-decode on the decode engine; arrivals of several prompt lengths, in a shuffled order, are sent
-one at a time (streamed, so the proxy times their steps too). Per arrival: the longest gap the
-streams saw while it was computed, the gap predicted for it, and their ratio. The SLO rule
-weighs a local prefill by this prediction; it is judged on ratios near 1 for short and long
-prompts alike.
+One ``pdserve dev`` stack (1P+1D, ``--policy local``, or ``disaggregate`` with
+``--route disaggregated``). Each round: two long greedy streams decode on the decode engine;
+arrivals of several prompt lengths, in a shuffled order, are sent one at a time (streamed, so
+the proxy times their steps too). Per arrival: the longest gap the streams saw from its send to
+its first token, the gap predicted for it, and their ratio. Local, the gap is a step that
+computes a prompt chunk; disaggregated, the steps while its KV comes in. The SLO rule weighs
+each route by this prediction; it is judged on ratios near 1 for short and long prompts alike.
 
-Run: ``python -m benchmarks.local_stall [--model smollm2] [--rounds 3]``. Writes
-``benchmarks/results/local_stall.json`` and ``.png``.
+Run: ``python -m benchmarks.local_stall [--model smollm2] [--rounds 3] [--route local]``.
+Writes ``benchmarks/results/local_stall.json`` (``--name``) and ``.png``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from harness.streams import Streams
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--route", choices=("local", "disaggregated"), default="local")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sizes", default="32,64,64,128,256,384,512,768,1023,1023",
                    help="arrivals' prompt tokens, each round (shuffled)")
@@ -48,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def arrive(stack, prompt: str) -> dict[str, Any]:
+def arrive(stack, prompt: str, route: str = "local") -> dict[str, Any]:
     """One streamed arrival: its sent and first-data times, prompt tokens and estimate."""
     body = {"model": stack.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -66,7 +69,7 @@ def arrive(stack, prompt: str) -> dict[str, Any]:
                 tokens = usage["prompt_tokens"]
     assert t1 is not None and tokens is not None, "no data, or no usage"
     return {"sent": t0, "first": t1, "prompt_tokens": tokens,
-            "predicted_gap_s": est.get("gap_local"), "predicted_ttft_s": est.get("local")}
+            "predicted_gap_s": est.get(f"gap_{route}"), "predicted_ttft_s": est.get(route)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -78,7 +81,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for n, v in sorted(by_size.items())}
 
 
-def plot(rows: list[dict[str, Any]]):
+def plot(rows: list[dict[str, Any]], route: str):
     def draw(fig) -> None:
         ax = fig.add_subplot(1, 1, 1)
         xs = [r["prompt_tokens"] for r in rows if r["ratio"] is not None]
@@ -87,9 +90,9 @@ def plot(rows: list[dict[str, Any]]):
         ax.axhline(1.0, color="grey", lw=0.8)
         for bound in (0.75, 1.25):
             ax.axhline(bound, color="grey", lw=0.6, ls=":")
-        ax.set_xlabel("local prompt tokens (beside 2 streams)")
+        ax.set_xlabel(f"{route} prompt tokens (beside 2 streams)")
         ax.set_ylabel("streams' worst gap: measured / predicted")
-        ax.set_title("Local prefill stall vs the step model")
+        ax.set_title(f"Stall of a {route} arrival vs the step model")
     return draw
 
 
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-stall-") as tmp:
         stack = start_dev(args.model, port=args.port, engine_base_port=args.engine_base_port,
                           side_channel_base_port=args.side_channel_base_port,
-                          log_dir=Path(tmp), policy="local", extra=["--kv-cache-gib", "2"],
+                          log_dir=Path(tmp),
+                          policy="local" if args.route == "local" else "disaggregate",
+                          extra=["--kv-cache-gib", "2"],
                           progress=log)
         try:
             seed = 1000 * (args.seed + 1)
@@ -112,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(3.0)  # the streams are decoding: their steps are the baseline
                 for n in order:
                     seed += 1
-                    row = arrive(stack, text_of_tokens(n, seed=seed, model=args.model))
+                    row = arrive(stack, text_of_tokens(n, seed=seed, model=args.model),
+                                 args.route)
                     time.sleep(1.0)  # gaps that end just after the first byte
                     gaps = streams.gaps(row["sent"], row["first"] + 0.5)
                     worst = max(gaps) if gaps else None
                     predicted = row["predicted_gap_s"]
-                    row.update(round=rnd, worst_gap_s=worst,
+                    row.update(round=rnd, worst_gap_s=worst, gaps_s=gaps,
                                ratio=worst / predicted if worst and predicted else None)
                     rows.append(row)
                     log(f"round {rnd}: {row['prompt_tokens']} tokens, worst gap "
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all: median {statistics.median(ratios):.2f} "
               f"[{min(ratios):.2f}-{max(ratios):.2f}] over {len(ratios)} arrivals")
     save_results(args.name, {"config": vars(args), "summary": summary, "arrivals": rows,
-                             "decode_steps": costs.get("decode_steps")}, plot(rows))
+                             "decode_steps": costs.get("decode_steps"), "costs": costs},
+                 plot(rows, args.route))
     return 0
 
 
