@@ -25,6 +25,9 @@ LINK_PRIOR = LinkModel(fixed_s=0.03, bytes_per_s=100e6)
 #: engine's fitted local prefill cost (filled in from that fit, ``step_model``).
 STEP_FIXED_PRIOR_S = 0.005
 STEP_STREAM_PRIOR_S = 0.0005
+#: The least time between two refits of an engine's step model once it is past its first
+#: samples (``StepFit``): real engines give 30-200 gaps a second, so every 32 of them is 0.2-1 s.
+STEP_REFIT_INTERVAL_S = 0.5
 
 
 class RouteCosts:
@@ -34,8 +37,11 @@ class RouteCosts:
         self.ledger = ledger or Ledger()
         #: The decode engines' prefill chunk (vLLM's max_num_batched_tokens there).
         self.chunk_tokens = chunk_tokens
-        self._steps: dict[str, StepFit] = defaultdict(StepFit)
+        self._steps: dict[str, StepFit] = defaultdict(
+            lambda: StepFit(refit_interval_s=STEP_REFIT_INTERVAL_S))
         self._trackers: dict[str, StepTracker] = {}
+        #: Each engine's step prior and the local prefill model it was made from.
+        self._step_priors: dict[str, tuple[PrefillModel, StepModel]] = {}
         self._on_arrival = on_arrival
         self.token_ratio = TokenRatio()
         self._remote: dict[str, PrefillFit] = defaultdict(lambda: PrefillFit(PREFILL_PRIOR))
@@ -95,9 +101,12 @@ class RouteCosts:
         taken at the full chunk size and applied linearly priced a 64-token chunk at 6.0 ms a
         token against the 3.0 ms it takes (SmolLM2: 443 ms predicted, 250 ms measured)."""
         local = self._local[engine].model()
-        prior = StepModel(fixed_s=STEP_FIXED_PRIOR_S, prefill_s=1.0 / local.tokens_per_s,
-                          prefill_quad_s=local.quad_s, stream_s=STEP_STREAM_PRIOR_S)
-        return self._steps[engine].model(prior)
+        cached = self._step_priors.get(engine)
+        if cached is None or cached[0] is not local:  # (the fit's model changes at a refit)
+            cached = self._step_priors[engine] = (local, StepModel(
+                fixed_s=STEP_FIXED_PRIOR_S, prefill_s=1.0 / local.tokens_per_s,
+                prefill_quad_s=local.quad_s, stream_s=STEP_STREAM_PRIOR_S))
+        return self._steps[engine].model(cached[1])
 
     # -- queued work (the ledger's) -------------------------------------------------------------
     def queued_tokens(self, engine: str) -> int:

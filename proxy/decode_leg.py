@@ -99,7 +99,7 @@ class DecodeLeg:
                     self._deadlines.idle_s)
                 if stream.status < 500:
                     break
-                failed = await _read_and_close(stream)
+                failed = await stream.read_and_close()
                 if not self._move_on(decode, tried, f"answered {stream.status}"):
                     raise from_engine_error(stream.status, failed)
                 if self.handoff is not None:
@@ -119,7 +119,7 @@ class DecodeLeg:
                 raise StageTimeout("the decode engine did not answer in time") from None
         self.answered = True
         if stream.status != 200:
-            raise from_engine_error(stream.status, await _read_and_close(stream))
+            raise from_engine_error(stream.status, await stream.read_and_close())
         return stream
 
     def _move_on(self, failed: Engine, tried: set[str], why: str) -> bool:
@@ -179,20 +179,28 @@ class DecodeLeg:
         return data
 
     def first_byte(self, now: float) -> None:
-        """Record what the first bytes measured; runs once the client has them."""
+        """The client has its first bytes: the claim and the step tracker move on now, what they
+        measured is recorded on the loop's next turn (the bytes right behind them, a chat
+        stream's first token after its role event, are not held up by histograms and fits)."""
         self.claim.prompt_done()
         self.claim.drop_hold()  # its steps are over: their gaps are relayed, or about to be
-        self.trace.run_deferred()
-        plan, trace = self.plan, self.trace
-        local = self.handoff is None
+        new, local = self.plan.decode_new_tokens, self.handoff is None
         tracker = self._costs.tracker(self.decode.name)
-        tracker.work_done(self, now, prefill_tokens=plan.decode_new_tokens if local else 0,
-                          kv_tokens=0 if local else plan.decode_new_tokens)
+        tracker.work_done(self, now, prefill_tokens=new if local else 0,
+                          kv_tokens=0 if local else new)
         tracker.stream_started(self, now)
         self._streaming = True
         self.trace.t_first = now
         if self.req.spans is not None:
             self._trace_first_byte(now)
+        # (Read now: a hand-over behind a local prefill times that wait, not the link: LinkFit.)
+        alone = self._kv_in_alone and self._ledger.load(self.decode.name).prompt_tokens == 0
+        asyncio.get_running_loop().call_soon(self._measured, now, alone)
+
+    def _measured(self, now: float, kv_in_alone: bool) -> None:
+        """What the first bytes at ``now`` measured (``kv_in_alone``: see above)."""
+        plan, trace = self.plan, self.trace
+        trace.run_deferred()
         ttft = now - trace.t_start
         self._metrics.stage_seconds.labels("ttft", self.route).observe(ttft)
         predicted = plan.decision.predicted_s() if self.route == plan.decision.route else None
@@ -202,9 +210,7 @@ class DecodeLeg:
             handover = now - trace.t_handoff
             self._metrics.stage_seconds.labels("handover", self.route).observe(handover)
             moved = self.handoff.num_prompt_tokens - plan.decode_cached_tokens
-            if self._kv_in_alone and self._ledger.load(self.decode.name).prompt_tokens == 0:
-                # (Behind a local prefill, two waits in a row read as a link that slowed down
-                # 10x, and the fit dropped its samples for them: ``LinkFit``.)
+            if kv_in_alone:
                 self._costs.observe_handover(plan.prefill.name, self.decode.name, moved,
                                              handover)
             pair = (plan.prefill.name, self.decode.name)
@@ -288,10 +294,3 @@ class DecodeLeg:
         if (estimate := estimate_header(self.plan)) is not None:
             headers["x-pd-estimate"] = estimate
         return headers
-
-
-async def _read_and_close(stream: EngineStream) -> bytes:
-    try:
-        return await stream.read_all()
-    finally:
-        stream.close()

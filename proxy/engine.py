@@ -59,7 +59,11 @@ class Engine:
     _waiting: set[asyncio.Task] = field(default_factory=set, repr=False)
     _given_up: set[asyncio.Task] = field(default_factory=set, repr=False)
 
+    #: The client's name (read on every request's path: a plain attribute).
+    name: str = field(init=False, default="")
+
     def __post_init__(self) -> None:
+        self.name = getattr(self.client, "name", "")  # (tests may give no client)
         if not self.duties:
             self.duties = BOTH if self.role == "both" else frozenset({self.role})
 
@@ -96,10 +100,6 @@ class Engine:
         subtracting today's in-flight count from a reading up to a second old would count this
         proxy's own requests that finished since as somebody else's queue."""
         return self._foreign
-
-    @property
-    def name(self) -> str:
-        return self.client.name
 
     @contextlib.contextmanager
     def given_up_when_down(self) -> Iterator[None]:

@@ -71,6 +71,12 @@ class EngineStream:
         except http1.HttpError as exc:
             raise _unreachable(self._name, exc) from exc
 
+    async def read_and_close(self) -> bytes:
+        try:
+            return await self.read_all()
+        finally:
+            self.close()
+
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield body bytes as they arrive; raise EngineTimeout after ``idle_s`` of silence."""
         response = self._response

@@ -46,10 +46,10 @@ _UNSET = msgspec.UNSET
 
 
 def one_token(event: bytes, rid: str | None, created: int | None
-              ) -> tuple[bytes, list[int]] | None:
-    """``event`` (stripped, ``data: `` first) without its token ids, and those ids, if it is
-    one token of one choice of the stream ``rid`` made at ``created`` that says something (text
-    or a delta) and does not finish; else None."""
+              ) -> tuple[bytes, list[int], bool] | None:
+    """``event`` (stripped, ``data: `` first) without its token ids, those ids, and whether it
+    finishes the choice, if it is one token of one choice of the stream ``rid`` made at
+    ``created`` that says something (text or a delta); else None."""
     if not event.endswith(_TAIL) or not event.startswith(DATA):
         return None
     at = event.rfind(_IDS_KEY)
@@ -65,14 +65,13 @@ def one_token(event: bytes, rid: str | None, created: int | None
         return None
     choice = choices[0]
     if (not choice.token_ids or choice.prompt_token_ids is not _UNSET
-            or choice.finish_reason is not None
             or not (choice.text or (choice.delta and choice.delta.get("content")))):
         return None
     ids = choice.token_ids
     # What is cut must be exactly the choice's ids, the last key of the last choice.
     if event[at + len(_IDS_KEY) - 1:-len(_TAIL) + 1] != _encode(ids):
         return None
-    return event[:at] + b"}]}\n\n", ids
+    return event[:at] + b"}]}\n\n", ids, choice.finish_reason is not None
 
 
 def cut_prompt_ids(event: bytes) -> tuple[bytes, bytes | None]:

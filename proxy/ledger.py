@@ -71,7 +71,10 @@ class Ledger:
         """The prompt work queued on ``engine``, one entry per request (oldest first), and how
         long the oldest has been computed: since it was queued, or since the prompt before it
         there ended (an engine computes what it was sent in turn)."""
-        pending = sorted((c for c in self._claims[engine] if c.prompt_tokens),
+        claims = self._claims.get(engine)
+        if not claims:
+            return [], 0.0
+        pending = sorted((c for c in claims if c.prompt_tokens),
                          key=lambda c: c.prompt_at)
         if not pending:
             return [], 0.0
@@ -87,7 +90,10 @@ class Ledger:
         """The fewest stalls the requests decoding on ``engine`` now (or due to) can still
         take, and the ones bound there whose first token is expected later (``expect_start``):
         how far off each is and its room. ``now``: the monotonic clock."""
-        decoding = [c for c in self._claims[engine] if c.decodes]
+        claims = self._claims.get(engine)
+        if not claims:
+            return 0, ()
+        decoding = [c for c in claims if c.decodes]
         later = [c for c in decoding if c.starts_at is not None and c.starts_at > now]
         room = min((c.stall_room for c in decoding if c not in later), default=0)
         assert all(c.starts_at is not None for c in later)

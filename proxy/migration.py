@@ -125,15 +125,15 @@ def continuation(req: ApiRequest, transcript: Transcript, left: int) -> ApiReque
 
 async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], engine: str,
                     resume: Resume, limit: int, metrics: ProxyMetrics,
-                    max_model_len: int | None = None
+                    max_model_len: int | None, why_not: str | None
                     ) -> AsyncIterator[bytes | ProxyError]:
     """The client's stream: ``chunks`` (a relay from decode engine ``engine``),
     continued through ``resume`` when its engine is lost, up to ``limit`` times. ``req`` is
     the client's request (without the token ids asked for it); a request that is not
-    migratable passes through untouched.
+    migratable (``why_not``: :func:`not_migratable`'s answer, or why migration is off)
+    passes through untouched.
     ``max_model_len``: the engines' context (a chat request without ``max_tokens`` may fill
     it)."""
-    why_not = not_migratable(req.body) if limit > 0 else "disabled"
     transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
                   if why_not is None else None)
     migrations = 0

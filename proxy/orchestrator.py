@@ -114,12 +114,13 @@ class Orchestrator:
         if req.deadline is None:
             req = replace(req, deadline=asyncio.get_running_loop().time() + self.deadlines.total_s)
         if req.stream:
-            inner = with_token_ids(req) if limit and not_migratable(req.body) is None else req
-            stream = await self._serve(inner, prefill, decode)
+            why_not = not_migratable(req.body) if limit else "disabled"
+            stream = await self._serve(with_token_ids(req) if why_not is None else req,
+                                       prefill, decode)
             assert isinstance(stream, Stream)
             return replace(stream, chunks=migrating(
                 req, stream.chunks, stream.engine, self._resume, limit, self.metrics,
-                self.max_model_len))
+                self.max_model_len, why_not))
         for attempt in range(limit + 1):
             try:
                 return await self._serve(req, prefill, decode)

@@ -44,6 +44,8 @@ def exposed(streams: int, room: int, arriving: tuple[Arrival, ...], within_s: fl
     local prefill ends before a long prompt prefilled elsewhere comes to decode (SmolLM2 mixed:
     64-token prompts sent to queue 1.6-4.5 s on the prefill engine, to spare such arrivals a
     stall they would not have seen)."""
+    if not arriving:
+        return streams, room if streams else 0
     late = [a for a in arriving if within_s is None or a.in_s < within_s]
     rooms = ([room] if streams else []) + [a.room for a in late]
     return streams + len(late), min(rooms, default=0)

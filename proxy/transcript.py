@@ -10,9 +10,10 @@ ids itself).
 Events are passed on whole: bytes are held until their ``\\n\\n`` arrives, so an event cut by a
 lost engine is never half-sent, and its tokens are not counted as delivered.
 
-Most events of a stream are one token of one choice: those take a quick path
+Most events of a stream are one token of one choice (the last one too, when it finishes on a
+token): those take a quick path
 (:func:`proxy.event_bytes.one_token`), sent as the engine's bytes with the ids cut out. Every
-other event (the first, the last, usage, several choices, an id that differs, a continuation's)
+other event (the first, usage, a finish without a token, an id that differs, a continuation's)
 is parsed and rewritten whole.
 
 A continuation is another engine's answer to another prompt. Its events are rewritten to read
@@ -142,6 +143,7 @@ class Transcript:
         if cut is None:
             return None
         self.output_ids.extend(cut[1])
+        self.finished = self.finished or cut[2]
         return cut[0]
 
     def _rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:

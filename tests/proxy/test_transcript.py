@@ -179,7 +179,8 @@ def test_one_token_events_take_the_quick_path():
 
     t._quick = spy  # type: ignore[method-assign]
     t.feed(STREAM)
-    assert taken == [True, False, False]  # the middle event (the last finishes; [DONE])
+    assert taken == [True, True, False]  # the middle and the finishing event ([DONE])
+    assert t.finished and t.output_ids == [100, 101, 102]
 
 
 def test_prompt_ids_that_are_not_ids_are_no_prompt_at_all():
