@@ -214,3 +214,20 @@ def test_one_step_with_a_kv_pull_does_not_make_the_kv_term():
     prior = StepModel(fixed_s=0.005, prefill_s=SHAPE.prefill_s,
                       prefill_quad_s=SHAPE.prefill_quad_s, stream_s=0.0005, kv_in_s=1e-5)
     assert fit.model(prior).kv_in_s == prior.kv_in_s
+
+
+def test_a_warm_fit_refits_at_most_once_per_interval():
+    """Once past its first samples, the fit refits every 32 samples but not more often than
+    ``refit_interval_s``: a refit costs ~0.7 ms on some request's path, and a busy proxy gets
+    thousands of samples a second. The first fits (the samples doubling) are not held back."""
+    now = [0.0]
+    fit = StepFit(refit_interval_s=0.5, clock=lambda: now[0])
+    for _ in range(64):  # warm: 8, 16, 32 and 64 samples each refitted at once
+        fit.observe(0, 2, 0, 0.010)
+    assert fit.model(PRIOR).fixed_s == pytest.approx(0.010, rel=0.05)
+    for _ in range(64):  # twice refit_every later, within the interval: not refitted
+        fit.observe(0, 2, 0, 0.030)
+    assert fit.model(PRIOR).fixed_s == pytest.approx(0.010, rel=0.05)
+    now[0] = 0.6
+    fit.observe(0, 2, 0, 0.030)  # the interval is over: this sample refits
+    assert fit.model(PRIOR).fixed_s > 0.015
