@@ -11,8 +11,10 @@ from the queued prompts, less what the oldest has been computed so far (``queue_
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from proxy.estimators import LinkFit, PrefillFit, StepFit, TokenRatio
+from proxy.handover_gap import HandoverGapFit
 from proxy.ledger import Ledger
 from proxy.policy import CostInputs
 from proxy.step_tracker import Arrival, StepTracker
@@ -40,6 +42,9 @@ class RouteCosts:
         self._steps: dict[str, StepFit] = defaultdict(
             lambda: StepFit(refit_interval_s=STEP_REFIT_INTERVAL_S))
         self._trackers: dict[str, StepTracker] = {}
+        self._handovers: dict[str, HandoverGapFit] = defaultdict(HandoverGapFit)
+        #: Each engine's step model with its hand-over gap fit, and what it was made from.
+        self._handover_models: dict[str, tuple[StepModel, tuple[float, float], StepModel]] = {}
         #: Each engine's step prior and the local prefill model it was made from.
         self._step_priors: dict[str, tuple[PrefillModel, StepModel]] = {}
         self._on_arrival = on_arrival
@@ -91,7 +96,10 @@ class RouteCosts:
     def tracker(self, engine: str) -> StepTracker:
         """What ``engine``'s relayed streams say about its steps (created on first use)."""
         if engine not in self._trackers:
-            self._trackers[engine] = StepTracker(self._steps[engine].observe, self._on_arrival)
+            self._trackers[engine] = StepTracker(
+                self._steps[engine].observe, self._on_arrival,
+                lambda tokens, streams, worst: self._observe_handover_gap(
+                    engine, tokens, streams, worst))
         return self._trackers[engine]
 
     def step_model(self, engine: str) -> StepModel:
@@ -99,7 +107,19 @@ class RouteCosts:
         shape (linear and quadratic terms; the fixed part of a TTFT is the step's own); the
         steps seen scale it. Until a term is measured, the prior's. A chunk's per-token cost
         taken at the full chunk size and applied linearly priced a 64-token chunk at 6.0 ms a
-        token against the 3.0 ms it takes (SmolLM2: 443 ms predicted, 250 ms measured)."""
+        token against the 3.0 ms it takes (SmolLM2: 443 ms predicted, 250 ms measured). With
+        the hand-overs' worst gaps fitted (``proxy/handover_gap.py``), those too."""
+        model = self._plain_step(engine)
+        fit = self._handovers.get(engine)
+        if fit is None or fit.fitted is None:
+            return model
+        made = self._handover_models.get(engine)
+        if made is None or made[0] is not model or made[1] is not fit.fitted:
+            made = self._handover_models[engine] = (model, fit.fitted, replace(
+                model, handover_fixed_s=fit.fitted[0], handover_s=fit.fitted[1]))
+        return made[2]
+
+    def _plain_step(self, engine: str) -> StepModel:
         local = self._local[engine].model()
         cached = self._step_priors.get(engine)
         if cached is None or cached[0] is not local:  # (the fit's model changes at a refit)
@@ -107,6 +127,12 @@ class RouteCosts:
                 fixed_s=STEP_FIXED_PRIOR_S, prefill_s=1.0 / local.tokens_per_s,
                 prefill_quad_s=local.quad_s, stream_s=STEP_STREAM_PRIOR_S))
         return self._steps[engine].model(cached[1])
+
+    def _observe_handover_gap(self, engine: str, kv_tokens: int, streams: int,
+                              worst_s: float) -> None:
+        """A hand-over's worst gap, as its excess over a plain step beside ``streams``."""
+        excess = worst_s - self._plain_step(engine).seconds(0, streams)
+        self._handovers[engine].observe(kv_tokens, excess)
 
     # -- queued work (the ledger's) -------------------------------------------------------------
     def queued_tokens(self, engine: str) -> int:
@@ -157,9 +183,10 @@ class RouteCosts:
                               for k, v in self._local.items()},
             "links": {f"{p}->{d}": vars(v.model()) | {"samples": v.n_samples}
                       for (p, d), v in self._links.items()},
-            "decode_steps": {e: vars(self.step_model(e)) | {"samples": f.n_samples,
-                                                             "chunk_tokens": self.chunk_tokens}
-                             for e, f in self._steps.items()},
+            "decode_steps": {e: vars(self.step_model(e)) | {
+                "samples": f.n_samples, "chunk_tokens": self.chunk_tokens,
+                "handover_samples": self._handovers[e].n_samples if e in self._handovers else 0}
+                for e, f in self._steps.items()},
             "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
             "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},
         }

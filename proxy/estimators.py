@@ -30,14 +30,14 @@ from transport.cost import LinkModel, PrefillModel, StepModel
 M = TypeVar("M", PrefillModel, LinkModel)
 
 
-def _recency_weights(n: int, half_life: float) -> np.ndarray:
+def recency_weights(n: int, half_life: float) -> np.ndarray:
     """Weight 1 for the newest sample, halving every ``half_life`` samples back: a link or an
     engine whose speed changes is followed within a few requests."""
     age = np.arange(n - 1, -1, -1, dtype=float)
     return 0.5 ** (age / half_life)
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0, by dropping negative terms and refitting."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
@@ -77,7 +77,7 @@ class _WindowFit(Generic[M]):
         if len(self._samples) >= self._min_samples and len({s[0] for s in self._samples}) >= 2:
             ns = np.array([s[0] for s in self._samples], dtype=float)
             ys = np.array([s[1] for s in self._samples])
-            self._model = self._fit(ns, ys, _recency_weights(len(ys), self._half_life))
+            self._model = self._fit(ns, ys, recency_weights(len(ys), self._half_life))
 
     def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> M:
         raise NotImplementedError
@@ -95,7 +95,7 @@ class PrefillFit(_WindowFit[PrefillModel]):
         # Relative errors matter (a 10 ms miss is large for a short prompt, small for a long
         # one): weight each row by 1/y.
         w = recency / ys
-        c = _nonneg_lstsq(x * w[:, None], ys * w) * scale
+        c = nonneg_lstsq(x * w[:, None], ys * w) * scale
         per_token = c[1]
         if per_token <= 0:  # all growth explained by the quadratic term: keep a tiny linear term
             per_token = max(1e-7, float(np.mean(ys / ns)) * 1e-3)
@@ -149,7 +149,7 @@ class LinkFit(_WindowFit[LinkModel]):
 
     def _fit(self, ns: np.ndarray, ys: np.ndarray, recency: np.ndarray) -> LinkModel:
         x = np.stack([np.ones_like(ns), ns * 1e-3], axis=1)
-        fixed, slope = _nonneg_lstsq(x * recency[:, None], ys * recency) * np.array([1.0, 1e-3])
+        fixed, slope = nonneg_lstsq(x * recency[:, None], ys * recency) * np.array([1.0, 1e-3])
         return LinkModel(fixed_s=float(fixed), bytes_per_s=self._kvb / max(slope, 1e-12))
 
 
@@ -267,9 +267,9 @@ class StepFit:
         spans = np.column_stack([tokens, data[:, 1], data[:, 2]])
         free = self._seen(spans)
         cols = [i for i in range(4) if free[i]]
-        w = _recency_weights(len(y), self._half_life)
+        w = recency_weights(len(y), self._half_life)
         coef = np.zeros(4)
-        sub = _nonneg_lstsq(x[:, cols] * w[:, None], y * w)
+        sub = nonneg_lstsq(x[:, cols] * w[:, None], y * w)
         predicted = x[:, cols] @ sub
         resid = np.abs(predicted - y)
         # Off by 3 median residuals *and* by half its own prediction: a 60 ms step that took
@@ -281,7 +281,7 @@ class StepFit:
         if keep.sum() >= self._min and not keep.all():
             free = self._seen(spans[keep])
             cols = [i for i in range(4) if free[i]]
-            sub = _nonneg_lstsq(x[keep][:, cols] * w[keep][:, None], y[keep] * w[keep])
+            sub = nonneg_lstsq(x[keep][:, cols] * w[keep][:, None], y[keep] * w[keep])
         coef[cols] = sub
         self._fitted = (coef, free, shape)
         self._model = None

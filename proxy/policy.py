@@ -166,7 +166,7 @@ def predict_gaps(inputs: RouteInputs, costs: CostInputs,
     local_streams, _ = exposure(inputs, predicted[1])
     local = (step.seconds(min(local_new, costs.chunk_tokens), local_streams)
              if local_streams > 0 else None)
-    disagg = step.seconds(0, disagg_streams, kv_tokens=local_new) if disagg_streams > 0 else None
+    disagg = step.handover_gap(disagg_streams, local_new) if disagg_streams > 0 else None
     return disagg, local
 
 

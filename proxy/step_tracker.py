@@ -12,7 +12,8 @@ streams, KV tokens, seconds per step)`` for :class:`~proxy.estimators.StepFit` o
 is still running started before its end.
 
 For each arrival that ran beside streams, the longest gap they saw during it is reported with
-the gap the decision predicted (``on_arrival``): the two sides of ``pd_itl_prediction_ratio``.
+the gap the decision predicted (``on_arrival``): the two sides of ``pd_itl_prediction_ratio``;
+for a disaggregated one, also with its KV tokens (``on_handover``: ``proxy/handover_gap.py``).
 
 No clock: every call carries its time (``time.perf_counter`` seconds). Call order per stream:
 ``stream_started`` → ``frame`` per relayed chunk → ``stream_ended``; per arrival:
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 Sample = Callable[[float, float, float, float], None]
 Arrival = Callable[[str, float | None, float], None]  # (route, predicted, measured)
+Handover = Callable[[int, int, float], None]  # (KV tokens, streams, worst gap)
 #: How long finished work stays attributable to gaps that end after it (several slow steps).
 KEEP_DONE_S = 5.0
 
@@ -50,6 +52,7 @@ class _Work:
     prefill_tokens: int = 0
     kv_tokens: int = 0
     worst_gap_s: float | None = None
+    worst: _Gap | None = None  # the gap it was
 
     def claim(self, gap: _Gap) -> None:
         """Give ``gap`` its share of this (finished) work, by overlap."""
@@ -59,7 +62,9 @@ class _Work:
         share = overlap / max(self.t1 - self.t0, 1e-9)
         gap.prefill_tokens += self.prefill_tokens * share
         gap.kv_tokens += self.kv_tokens * share
-        self.worst_gap_s = max(self.worst_gap_s or 0.0, (gap.t1 - gap.t0) / gap.frames)
+        seconds = (gap.t1 - gap.t0) / gap.frames
+        if self.worst_gap_s is None or seconds > self.worst_gap_s:
+            self.worst_gap_s, self.worst = seconds, gap
 
 
 @dataclass
@@ -68,6 +73,8 @@ class StepTracker:
 
     sample: Sample
     on_arrival: Arrival | None = None
+    #: Each disaggregated arrival's KV tokens, the streams beside it and their worst gap.
+    on_handover: Handover | None = None
     max_pending: int = 4096
     _streams: dict[object, float] = field(default_factory=dict)  # stream -> last frame time
     _reporter: object | None = None
@@ -142,3 +149,7 @@ class StepTracker:
             work = self._done.popleft()
             if work.worst_gap_s is not None and self.on_arrival is not None:
                 self.on_arrival(work.route, work.predicted_gap_s, work.worst_gap_s)
+            worst = work.worst
+            if (worst is not None and work.kv_tokens and not worst.prefill_tokens
+                    and self.on_handover is not None):  # (a local prefill's step: not its own)
+                self.on_handover(work.kv_tokens, worst.streams, work.worst_gap_s or 0.0)

@@ -58,6 +58,11 @@ class StepModel:
     stream_s: float
     kv_in_s: float = 0.0
     prefill_quad_s: float = 0.0
+    #: The worst gap a KV hand-over puts in the streams beyond a plain step, fitted from the
+    #: hand-overs' own worst gaps (``proxy/handover_gap.py``): ``handover_fixed_s +
+    #: handover_s * KV tokens``. None until fitted: ``kv_in_s`` on one step stands in.
+    handover_fixed_s: float | None = None
+    handover_s: float = 0.0
 
     def prefill_seconds(self, prefill_tokens: int) -> float:
         """What a chunk of ``prefill_tokens`` adds to the step."""
@@ -67,6 +72,13 @@ class StepModel:
     def seconds(self, prefill_tokens: int = 0, streams: int = 0, kv_tokens: int = 0) -> float:
         return (self.fixed_s + self.prefill_seconds(prefill_tokens)
                 + self.stream_s * max(0, streams) + self.kv_in_s * max(0, kv_tokens))
+
+    def handover_gap(self, streams: int, kv_tokens: int) -> float:
+        """The longest gap ``streams`` decoding here see while ``kv_tokens`` of KV come in."""
+        if self.handover_fixed_s is None:
+            return self.seconds(0, streams, kv_tokens)
+        return (self.seconds(0, streams) + self.handover_fixed_s
+                + self.handover_s * max(0, kv_tokens))
 
 
 def breakeven_bytes_per_s(kv_bytes_per_token: int, prefill_tokens_per_s: float) -> float:
