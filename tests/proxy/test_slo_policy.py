@@ -135,6 +135,13 @@ BUDGET_CASES = [
     ("within the target anyway: the budget is not touched",
      RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2), "local",
      "slo_local_fits"),
+    ("gap target alone, a local step (42 ms) under the 50 ms target by less than the fit's "
+     "error, room to spare: local, its stall held against the budget",
+     RouteInputs(140, costs=costs(decode_queue_s=4.0), streams=4, targets=Targets(itl_s=0.05),
+                 stall_room=2), "local", "slo_stall_budget"),
+    ("the same with no room: local as predicted to meet it (nothing to hold)",
+     RouteInputs(140, costs=costs(decode_queue_s=4.0), streams=4, targets=Targets(itl_s=0.05),
+                 stall_room=0), "local", "slo_fastest"),
 ]
 
 
@@ -261,6 +268,9 @@ def test_a_budgeted_route_says_how_many_stalls_it_spends():
     assert (spent.reason, spent.stalls) == ("slo_stall_budget", 2)  # two chunks of 512
     within = decide(AUTO, RouteInputs(80, costs=costs(), streams=4, targets=T, stall_room=2))
     assert (within.reason, within.stalls) == ("slo_local_fits", 0)
+    near = decide(AUTO, RouteInputs(140, costs=costs(decode_queue_s=4.0), streams=4,
+                                    targets=Targets(itl_s=0.05), stall_room=2))
+    assert (near.route, near.reason, near.stalls) == ("local", "slo_stall_budget", 1)
 
 
 def test_a_short_local_prefill_does_not_stall_streams_that_start_after_it():
