@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import replace
 
 from proxy.estimators import LinkFit, PrefillFit, StepFit, TokenRatio
-from proxy.handover_gap import HandoverGapFit
 from proxy.ledger import Ledger
 from proxy.policy import CostInputs
 from proxy.step_tracker import Arrival, StepTracker
+from proxy.worst_gap import WorstGapFit
 from transport.cost import LinkModel, PrefillModel, StepModel
 
 #: Priors until start-up probes and traffic replace them (CPU-class engine, loopback link).
@@ -30,6 +30,7 @@ STEP_STREAM_PRIOR_S = 0.0005
 #: The least time between two refits of an engine's step model once it is past its first
 #: samples (``StepFit``): real engines give 30-200 gaps a second, so every 32 of them is 0.2-1 s.
 STEP_REFIT_INTERVAL_S = 0.5
+ROUTES = ("disaggregated", "local")
 
 
 class RouteCosts:
@@ -42,9 +43,10 @@ class RouteCosts:
         self._steps: dict[str, StepFit] = defaultdict(
             lambda: StepFit(refit_interval_s=STEP_REFIT_INTERVAL_S))
         self._trackers: dict[str, StepTracker] = {}
-        self._handovers: dict[str, HandoverGapFit] = defaultdict(HandoverGapFit)
-        #: Each engine's step model with its hand-over gap fit, and what it was made from.
-        self._handover_models: dict[str, tuple[StepModel, tuple[float, float], StepModel]] = {}
+        #: Each (decode engine, route)'s worst gap beside the streams there.
+        self._worst: dict[tuple[str, str], WorstGapFit] = defaultdict(WorstGapFit)
+        #: Each engine's step model with its worst-gap fits, and what it was made from.
+        self._worst_models: dict[str, tuple[StepModel, tuple, StepModel]] = {}
         #: Each engine's step prior and the local prefill model it was made from.
         self._step_priors: dict[str, tuple[PrefillModel, StepModel]] = {}
         self._on_arrival = on_arrival
@@ -98,8 +100,8 @@ class RouteCosts:
         if engine not in self._trackers:
             self._trackers[engine] = StepTracker(
                 self._steps[engine].observe, self._on_arrival,
-                lambda tokens, streams, worst: self._observe_handover_gap(
-                    engine, tokens, streams, worst))
+                lambda route, tokens, streams, worst: self._observe_worst_gap(
+                    engine, route, tokens, streams, worst))
         return self._trackers[engine]
 
     def step_model(self, engine: str) -> StepModel:
@@ -108,15 +110,19 @@ class RouteCosts:
         steps seen scale it. Until a term is measured, the prior's. A chunk's per-token cost
         taken at the full chunk size and applied linearly priced a 64-token chunk at 6.0 ms a
         token against the 3.0 ms it takes (SmolLM2: 443 ms predicted, 250 ms measured). With
-        the hand-overs' worst gaps fitted (``proxy/handover_gap.py``), those too."""
+        the arrivals' worst gaps fitted (``proxy/worst_gap.py``), those too."""
         model = self._plain_step(engine)
-        fit = self._handovers.get(engine)
-        if fit is None or fit.fitted is None:
+        fits = (self._worst.get((engine, "disaggregated")), self._worst.get((engine, "local")))
+        fitted = tuple(f.fitted if f is not None else None for f in fits)
+        if fitted == (None, None):
             return model
-        made = self._handover_models.get(engine)
-        if made is None or made[0] is not model or made[1] is not fit.fitted:
-            made = self._handover_models[engine] = (model, fit.fitted, replace(
-                model, handover_fixed_s=fit.fitted[0], handover_s=fit.fitted[1]))
+        made = self._worst_models.get(engine)
+        if made is None or made[0] is not model or any(
+                a is not b for a, b in zip(made[1], fitted, strict=True)):
+            kv, local = fitted
+            made = self._worst_models[engine] = (model, fitted, replace(
+                model, **({"handover_fixed_s": kv[0], "handover_s": kv[1]} if kv else {}),
+                **({"local_fixed_s": local[0], "local_s": local[1]} if local else {})))
         return made[2]
 
     def _plain_step(self, engine: str) -> StepModel:
@@ -128,11 +134,13 @@ class RouteCosts:
                 prefill_quad_s=local.quad_s, stream_s=STEP_STREAM_PRIOR_S))
         return self._steps[engine].model(cached[1])
 
-    def _observe_handover_gap(self, engine: str, kv_tokens: int, streams: int,
-                              worst_s: float) -> None:
-        """A hand-over's worst gap, as its excess over a plain step beside ``streams``."""
-        excess = worst_s - self._plain_step(engine).seconds(0, streams)
-        self._handovers[engine].observe(kv_tokens, excess)
+    def _observe_worst_gap(self, engine: str, route: str, tokens: int, streams: int,
+                           worst_s: float) -> None:
+        """An arrival's worst gap, as its excess over the plain step it was predicted by."""
+        plain = self._plain_step(engine)
+        base = (plain.seconds(0, streams) if route == "disaggregated"
+                else plain.seconds(min(tokens, self.chunk_tokens), streams))
+        self._worst[(engine, route)].observe(tokens, worst_s - base)
 
     # -- queued work (the ledger's) -------------------------------------------------------------
     def queued_tokens(self, engine: str) -> int:
@@ -185,7 +193,8 @@ class RouteCosts:
                       for (p, d), v in self._links.items()},
             "decode_steps": {e: vars(self.step_model(e)) | {
                 "samples": f.n_samples, "chunk_tokens": self.chunk_tokens,
-                "handover_samples": self._handovers[e].n_samples if e in self._handovers else 0}
+                "worst_gap_samples": {r: self._worst[(e, r)].n_samples for r in ROUTES
+                                      if (e, r) in self._worst}}
                 for e, f in self._steps.items()},
             "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
             "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},

@@ -152,21 +152,18 @@ def predict_gaps(inputs: RouteInputs, costs: CostInputs,
                  predicted: tuple[float, float] | None = None
                  ) -> tuple[float | None, float | None]:
     """The longest gap between the running streams' tokens each route causes: (disaggregated,
-    local). Local: a step that computes the largest prompt chunk beside them; disaggregated: the
-    step during which the KV comes in. Each counts the streams exposed until the route's first
-    token (``predicted``: (disaggregated, local) TTFT, else ``predict``'s); None when none is,
-    or no step model."""
+    local): the step during which the KV comes in, or the one that computes the largest prompt
+    chunk (``StepModel.handover_gap``, ``local_gap``), with the streams exposed until the
+    route's first token (``predicted``: the TTFTs, else ``predict``'s); None for none, or no
+    step model."""
     step = costs.decode_step
     if step is None:
         return None, None
     predicted = predicted or predict(inputs, costs)
-    local_new = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
-    disagg_streams, _ = exposure(inputs, predicted[0])
-    local_streams, _ = exposure(inputs, predicted[1])
-    local = (step.seconds(min(local_new, costs.chunk_tokens), local_streams)
-             if local_streams > 0 else None)
-    disagg = step.handover_gap(disagg_streams, local_new) if disagg_streams > 0 else None
-    return disagg, local
+    new = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
+    disagg, local = exposure(inputs, predicted[0])[0], exposure(inputs, predicted[1])[0]
+    return (step.handover_gap(disagg, new) if disagg > 0 else None,
+            step.local_gap(new, costs.chunk_tokens, local) if local > 0 else None)
 
 
 def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:

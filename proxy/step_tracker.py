@@ -13,7 +13,7 @@ is still running started before its end.
 
 For each arrival that ran beside streams, the longest gap they saw during it is reported with
 the gap the decision predicted (``on_arrival``): the two sides of ``pd_itl_prediction_ratio``;
-for a disaggregated one, also with its KV tokens (``on_handover``: ``proxy/handover_gap.py``).
+and with its route and size (``on_worst_gap``: ``proxy/worst_gap.py``).
 
 No clock: every call carries its time (``time.perf_counter`` seconds). Call order per stream:
 ``stream_started`` → ``frame`` per relayed chunk → ``stream_ended``; per arrival:
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 Sample = Callable[[float, float, float, float], None]
 Arrival = Callable[[str, float | None, float], None]  # (route, predicted, measured)
-Handover = Callable[[int, int, float], None]  # (KV tokens, streams, worst gap)
+WorstGap = Callable[[str, int, int, float], None]  # (route, tokens, streams, worst gap)
 #: How long finished work stays attributable to gaps that end after it (several slow steps).
 KEEP_DONE_S = 5.0
 
@@ -73,8 +73,9 @@ class StepTracker:
 
     sample: Sample
     on_arrival: Arrival | None = None
-    #: Each disaggregated arrival's KV tokens, the streams beside it and their worst gap.
-    on_handover: Handover | None = None
+    #: Each arrival's route, tokens (KV moved, or prompt computed), the streams beside it and
+    #: their worst gap.
+    on_worst_gap: WorstGap | None = None
     max_pending: int = 4096
     _streams: dict[object, float] = field(default_factory=dict)  # stream -> last frame time
     _reporter: object | None = None
@@ -149,7 +150,15 @@ class StepTracker:
             work = self._done.popleft()
             if work.worst_gap_s is not None and self.on_arrival is not None:
                 self.on_arrival(work.route, work.predicted_gap_s, work.worst_gap_s)
-            worst = work.worst
-            if (worst is not None and work.kv_tokens and not worst.prefill_tokens
-                    and self.on_handover is not None):  # (a local prefill's step: not its own)
-                self.on_handover(work.kv_tokens, worst.streams, work.worst_gap_s or 0.0)
+            if work.worst is not None and self.on_worst_gap is not None:
+                self._report_worst(work, work.worst, self.on_worst_gap)
+
+    @staticmethod
+    def _report_worst(work: _Work, worst: _Gap, report: WorstGap) -> None:
+        """An arrival's worst gap, unless it is another's: a hand-over's worst step carrying a
+        local prefill, a local prefill's carrying a hand-over."""
+        tokens, other = ((work.kv_tokens, worst.prefill_tokens) if work.kv_tokens
+                         else (work.prefill_tokens, worst.kv_tokens))
+        if tokens and not other:
+            report("disaggregated" if work.kv_tokens else "local", tokens, worst.streams,
+                   work.worst_gap_s or 0.0)

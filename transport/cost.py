@@ -59,10 +59,14 @@ class StepModel:
     kv_in_s: float = 0.0
     prefill_quad_s: float = 0.0
     #: The worst gap a KV hand-over puts in the streams beyond a plain step, fitted from the
-    #: hand-overs' own worst gaps (``proxy/handover_gap.py``): ``handover_fixed_s +
+    #: hand-overs' own worst gaps (``proxy/worst_gap.py``): ``handover_fixed_s +
     #: handover_s * KV tokens``. None until fitted: ``kv_in_s`` on one step stands in.
     handover_fixed_s: float | None = None
     handover_s: float = 0.0
+    #: The same for a local prefill, beyond its chunk's step: ``local_fixed_s + local_s *
+    #: prompt tokens`` (0 until fitted).
+    local_fixed_s: float = 0.0
+    local_s: float = 0.0
 
     def prefill_seconds(self, prefill_tokens: int) -> float:
         """What a chunk of ``prefill_tokens`` adds to the step."""
@@ -72,6 +76,12 @@ class StepModel:
     def seconds(self, prefill_tokens: int = 0, streams: int = 0, kv_tokens: int = 0) -> float:
         return (self.fixed_s + self.prefill_seconds(prefill_tokens)
                 + self.stream_s * max(0, streams) + self.kv_in_s * max(0, kv_tokens))
+
+    def local_gap(self, prompt_tokens: int, chunk_tokens: int, streams: int) -> float:
+        """The longest gap ``streams`` decoding here see while a prompt of ``prompt_tokens`` is
+        computed here in chunks of ``chunk_tokens``: the largest chunk's step, and the rest."""
+        return (self.seconds(min(prompt_tokens, chunk_tokens), streams) + self.local_fixed_s
+                + self.local_s * max(0, prompt_tokens))
 
     def handover_gap(self, streams: int, kv_tokens: int) -> float:
         """The longest gap ``streams`` decoding here see while ``kv_tokens`` of KV come in."""

@@ -1,5 +1,5 @@
-"""The worst gap a KV hand-over puts in the streams: fitted from the hand-overs the tracker
-measured, and what the decision predicts with it."""
+"""The worst gap an arrival puts in the streams, per route: fitted from the arrivals the
+tracker measured, and what the decision predicts with it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from proxy.costs import RouteCosts
-from proxy.handover_gap import HandoverGapFit
+from proxy.worst_gap import WorstGapFit
 from proxy.policy import CostInputs, RouteInputs, predict_gaps
 from proxy.step_tracker import KEEP_DONE_S, StepTracker
 from transport.cost import LinkModel, PrefillModel, StepModel
@@ -28,7 +28,7 @@ def recorded(seed: int = 0) -> list[tuple[int, float]]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_fits_the_excess_of_the_worst_gap_and_drops_an_outlier(seed):
-    fit = HandoverGapFit()
+    fit = WorstGapFit()
     for tokens, excess in recorded(seed):
         fit.observe(tokens, excess)
     assert fit.fitted is not None
@@ -38,8 +38,8 @@ def test_fits_the_excess_of_the_worst_gap_and_drops_an_outlier(seed):
 
 
 def test_too_few_hand_overs_fit_nothing_and_one_size_fits_no_slope():
-    fit = HandoverGapFit()
-    for _ in range(HandoverGapFit.MIN_SAMPLES - 1):
+    fit = WorstGapFit()
+    for _ in range(WorstGapFit.MIN_SAMPLES - 1):
         fit.observe(1023, 0.010)
     assert fit.fitted is None
     fit.observe(1023, 0.012)
@@ -47,27 +47,30 @@ def test_too_few_hand_overs_fit_nothing_and_one_size_fits_no_slope():
     fixed, per_token = fit.fitted
     assert per_token == 0.0 and 0.010 < fixed < 0.012  # the sizes never varied: a mean
     fit.observe(0, 5.0)  # no KV moved: not a hand-over
-    assert fit.n_samples == HandoverGapFit.MIN_SAMPLES
+    assert fit.n_samples == WorstGapFit.MIN_SAMPLES
 
 
 def test_the_tracker_reports_each_hand_over_with_its_streams_and_worst_gap():
-    handovers: list[tuple[int, int, float]] = []
+    handovers: list[tuple[str, int, int, float]] = []
     t = StepTracker(lambda *s: None, None, lambda *h: handovers.append(h))
     a, b = object(), object()
     t.stream_started(a, 0.0)
     t.stream_started(b, 0.0)
     t.work_started("kv", 0.005, route="disaggregated")
-    t.work_started("local", 0.046, route="local")
+    t.work_started("local", 0.056, route="local")
     for ts in (0.01, 0.02, 0.045, 0.055):  # the 25 ms gap is the step that took the KV in
         t.frame(a, ts)
     t.work_done("kv", 0.05, kv_tokens=900)
-    t.work_done("local", 0.05, prefill_tokens=64)
+    t.frame(a, 0.065)
+    t.work_done("local", 0.06, prefill_tokens=64)
     t.frame(a, 0.05 + KEEP_DONE_S + 1)
-    assert handovers == [(900, 2, pytest.approx(0.025))]  # the local prefill is not one
+    # The local prefill's worst gap is the one that carried its chunk (10 ms).
+    assert handovers == [("disaggregated", 900, 2, pytest.approx(0.025)),
+                         ("local", 64, 2, pytest.approx(0.010))]
 
 
 def test_a_hand_over_whose_worst_gap_carried_a_local_prefill_is_not_reported():
-    handovers: list[tuple[int, int, float]] = []
+    handovers: list[tuple[str, int, int, float]] = []
     t = StepTracker(lambda *s: None, None, lambda *h: handovers.append(h))
     a = object()
     t.stream_started(a, 0.0)
@@ -78,7 +81,22 @@ def test_a_hand_over_whose_worst_gap_carried_a_local_prefill_is_not_reported():
     t.work_done("local", 0.145, prefill_tokens=512)
     t.work_done("kv", 0.15, kv_tokens=900)
     t.frame(a, 0.15 + KEEP_DONE_S + 1)
-    assert handovers == []
+    assert handovers == []  # (nor the local prefill: its worst gap also took the KV in)
+
+
+def test_a_local_prefill_whose_worst_gap_took_a_hand_over_in_is_not_reported():
+    handovers: list[tuple[str, int, int, float]] = []
+    t = StepTracker(lambda *s: None, None, lambda *h: handovers.append(h))
+    a = object()
+    t.stream_started(a, 0.0)
+    t.work_started("local", 0.005, route="local")
+    t.work_started("kv", 0.015, route="disaggregated")
+    for ts in (0.01, 0.02, 0.06, 0.07):  # the 40 ms gap took 900 tokens of KV in
+        t.frame(a, ts)
+    t.work_done("kv", 0.055, kv_tokens=900)
+    t.work_done("local", 0.065, prefill_tokens=16)
+    t.frame(a, 0.07 + KEEP_DONE_S + 1)
+    assert handovers == []  # (nor the hand-over: its worst gap also computed the prompt)
 
 
 def test_route_costs_predict_the_hand_over_gap_from_the_hand_overs_measured():
@@ -91,7 +109,7 @@ def test_route_costs_predict_the_hand_over_gap_from_the_hand_overs_measured():
     s = object()
     tracker.stream_started(s, 0.0)
     now = 0.0
-    for i in range(HandoverGapFit.MIN_SAMPLES):
+    for i in range(WorstGapFit.MIN_SAMPLES):
         tracker.work_started(i, now, route="disaggregated")
         for gap in (0.010, 0.030, 0.010):
             now += gap
@@ -101,7 +119,7 @@ def test_route_costs_predict_the_hand_over_gap_from_the_hand_overs_measured():
             now += 0.010
             tracker.frame(s, now)
     step = costs.step_model("d")
-    assert step.handover_fixed_s is not None
+    assert step.handover_fixed_s is not None and step.local_fixed_s == 0.0
     spread = StepModel(fixed_s=step.fixed_s, prefill_s=0.0, stream_s=step.stream_s,
                        kv_in_s=50e-6)
     inputs = RouteInputs(prompt_tokens=1000, streams=1, costs=_costs(spread))
@@ -115,3 +133,29 @@ def _costs(step: StepModel) -> CostInputs:
     prefill = PrefillModel(fixed_s=0.01, tokens_per_s=10_000.0)
     return CostInputs(4096, prefill, prefill, LinkModel(fixed_s=0.01, bytes_per_s=1e9),
                       decode_step=step)
+
+
+def test_route_costs_add_a_local_prefills_worst_gap_excess():
+    """64-token local prefills beside a stream, the steps 10 ms and the one carrying the chunk
+    always 6 ms longer than the step fit prices it (the worst of a window, not a mean): the
+    local route's predicted gap takes the excess on."""
+    costs = RouteCosts(kv_bytes_per_token=4096)
+    tracker = costs.tracker("d")
+    s = object()
+    tracker.stream_started(s, 0.0)
+    now = 0.0
+    for i in range(WorstGapFit.MIN_SAMPLES):
+        tracker.work_started(i, now, route="local")
+        plain = costs.step_model("d").seconds(64, 1)
+        for gap in (0.010, plain + 0.006):
+            now += gap
+            tracker.frame(s, now)
+        tracker.work_done(i, now, prefill_tokens=64)
+        for _ in range(int(KEEP_DONE_S / 0.010) + 10):
+            now += 0.010
+            tracker.frame(s, now)
+    step = costs.step_model("d")
+    assert step.local_fixed_s == pytest.approx(0.006, abs=0.002)
+    inputs = RouteInputs(prompt_tokens=64, streams=1, costs=_costs(step))
+    assert predict_gaps(inputs, inputs.costs)[1] == pytest.approx(
+        step.seconds(64, 1) + step.local_fixed_s)

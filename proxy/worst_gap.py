@@ -1,15 +1,22 @@
-"""The worst gap a KV hand-over puts in the streams decoding on its decode engine, fitted from
-the hand-overs the step tracker measured (``proxy/step_tracker.py``: the longest gap the streams
-saw between the decode request and its first token).
+"""The worst gap an arrival puts in the streams decoding on its decode engine, per route, fitted
+from the arrivals the step tracker measured (``proxy/step_tracker.py``: the longest gap the
+streams saw between the decode request and its first token).
 
-The step fit (``StepFit``) prices a KV token spread over the hand-over's steps: the tracker
-splits an arrival's tokens between the gaps it overlaps. The decision needs the *worst* of those
-gaps, and putting every token on one step at the spread price over-predicted it (tiny, mixed
-goodput: measured / predicted 0.67-0.78 for disaggregated arrivals, 1,023-token hand-overs
-predicted at 6-31 ms from one refit to the next). This fits the worst gap itself: its excess
-over a plain step ``a + b * KV tokens`` (least squares, recency-weighted, ``b >= 0``; samples
-far off the first fit, a step stalled by something else, dropped and the rest refitted once).
-``b`` needs hand-overs whose sizes spanned ``MIN_SPAN`` tokens; until then the excess is a mean.
+The step fit (``StepFit``) prices a step on average; the decision needs the *worst* gap of an
+arrival's window, and a window holds several steps, each with the box's jitter.
+
+- A disaggregated arrival: the step fit prices a KV token spread over the hand-over's steps (the
+  tracker splits an arrival's tokens between the gaps it overlaps), and putting every token on
+  one step at that price over-predicted the worst gap (tiny, mixed goodput: measured /
+  predicted 0.67-0.78; 1,023-token hand-overs predicted at 6-31 ms from one refit to the next).
+- A local prefill: its chunk's step is priced by the step fit, but the worst gap of its window
+  came out above it (tiny: 1.14-1.30).
+
+So each route's worst gap is fitted as its excess over a plain prediction, ``a + b * tokens``
+(KV tokens moved, or prompt tokens computed): least squares, recency-weighted, ``b >= 0``;
+samples far off the first fit (a step stalled by something else) dropped and the rest
+refitted once. ``b`` needs arrivals whose sizes spanned ``MIN_SPAN`` tokens; until then the
+excess is a mean.
 """
 
 from __future__ import annotations
@@ -21,10 +28,10 @@ import numpy as np
 from proxy.estimators import recency_weights
 
 
-class HandoverGapFit:
-    #: Hand-overs measured before the fit stands in for the step fit's KV term.
+class WorstGapFit:
+    #: Arrivals measured before the fit is used.
     MIN_SAMPLES = 5
-    #: Least range of hand-over sizes (tokens) for the per-token term to be fitted.
+    #: Least range of arrival sizes (tokens) for the per-token term to be fitted.
     MIN_SPAN = 128.0
 
     def __init__(self, window: int = 64, half_life: float = 16.0):
@@ -37,11 +44,11 @@ class HandoverGapFit:
     def n_samples(self) -> int:
         return len(self._samples)
 
-    def observe(self, kv_tokens: int, excess_s: float) -> None:
-        """A hand-over of ``kv_tokens`` whose worst gap was ``excess_s`` over a plain step."""
-        if kv_tokens <= 0:
+    def observe(self, tokens: int, excess_s: float) -> None:
+        """An arrival of ``tokens`` whose worst gap was ``excess_s`` over its plain prediction."""
+        if tokens <= 0:
             return
-        self._samples.append((float(kv_tokens), float(excess_s)))
+        self._samples.append((float(tokens), float(excess_s)))
         if len(self._samples) >= self.MIN_SAMPLES:
             self.fitted = self._fit()
 
