@@ -69,34 +69,28 @@ def test_the_tracker_reports_each_hand_over_with_its_streams_and_worst_gap():
                          ("local", 64, 2, pytest.approx(0.010))]
 
 
-def test_a_hand_over_whose_worst_gap_carried_a_local_prefill_is_not_reported():
+@pytest.mark.parametrize("first, second, frames, done", [
+    # a hand-over whose worst gap (125 ms) also computed a 512-token local prompt
+    (("kv", 0.005, "disaggregated"), ("local", 0.015, "local"), (0.01, 0.02, 0.145, 0.155),
+     [("local", 0.145, {"prefill_tokens": 512}), ("kv", 0.15, {"kv_tokens": 900})]),
+    # a local prefill whose worst gap (40 ms) also took 900 tokens of KV in
+    (("local", 0.005, "local"), ("kv", 0.015, "disaggregated"), (0.01, 0.02, 0.06, 0.07),
+     [("kv", 0.055, {"kv_tokens": 900}), ("local", 0.065, {"prefill_tokens": 16})]),
+], ids=["hand_over_beside_local_prefill", "local_prefill_beside_hand_over"])
+def test_a_worst_gap_that_carried_the_other_routes_work_is_reported_for_neither(
+        first, second, frames, done):
     handovers: list[tuple[str, int, int, float]] = []
     t = StepTracker(lambda *s: None, None, lambda *h: handovers.append(h))
     a = object()
     t.stream_started(a, 0.0)
-    t.work_started("kv", 0.005, route="disaggregated")
-    t.work_started("local", 0.015, route="local")
-    for ts in (0.01, 0.02, 0.145, 0.155):  # the 125 ms gap computed a 512-token prompt
+    for kind, ts, route in (first, second):
+        t.work_started(kind, ts, route=route)
+    for ts in frames:
         t.frame(a, ts)
-    t.work_done("local", 0.145, prefill_tokens=512)
-    t.work_done("kv", 0.15, kv_tokens=900)
-    t.frame(a, 0.15 + KEEP_DONE_S + 1)
-    assert handovers == []  # (nor the local prefill: its worst gap also took the KV in)
-
-
-def test_a_local_prefill_whose_worst_gap_took_a_hand_over_in_is_not_reported():
-    handovers: list[tuple[str, int, int, float]] = []
-    t = StepTracker(lambda *s: None, None, lambda *h: handovers.append(h))
-    a = object()
-    t.stream_started(a, 0.0)
-    t.work_started("local", 0.005, route="local")
-    t.work_started("kv", 0.015, route="disaggregated")
-    for ts in (0.01, 0.02, 0.06, 0.07):  # the 40 ms gap took 900 tokens of KV in
-        t.frame(a, ts)
-    t.work_done("kv", 0.055, kv_tokens=900)
-    t.work_done("local", 0.065, prefill_tokens=16)
-    t.frame(a, 0.07 + KEEP_DONE_S + 1)
-    assert handovers == []  # (nor the hand-over: its worst gap also computed the prompt)
+    for kind, ts, sizes in done:
+        t.work_done(kind, ts, **sizes)
+    t.frame(a, frames[-1] + KEEP_DONE_S + 1)
+    assert handovers == []
 
 
 def test_route_costs_predict_the_hand_over_gap_from_the_hand_overs_measured():
