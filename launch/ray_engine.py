@@ -143,13 +143,13 @@ class EngineHost:
     def __init__(self, name: str, role: str, ordinal: int, template: dict[str, Any]):
         import ray
 
-        from launch.models import ensure_model
+        from launch.models import ensure_model, same_on_every_node
 
         t = EngineTemplate(**template)
         self.name = name
         self.role = role
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        model_path = str(ensure_model(t.model))
+        model_path = str(same_on_every_node(t.model, ensure_model(t.model)))
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         host = t.bind_host or self.node_ip

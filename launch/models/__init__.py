@@ -11,7 +11,14 @@ Heavy imports (torch, transformers, tokenizers, gguf) happen inside the builders
 so importing this package is cheap.
 """
 
-from .cache import DEFAULT_MODEL, KNOWN_MODELS, default_cache_root, ensure_model, is_complete
+from .cache import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    default_cache_root,
+    ensure_model,
+    is_complete,
+    same_on_every_node,
+)
 from .smollm2 import convert_smollm2
 from .tiny import KV_BYTES_PER_TOKEN_FP32 as TINY_KV_BYTES_PER_TOKEN_FP32
 from .tiny import build_tiny_model
@@ -25,4 +32,5 @@ __all__ = [
     "default_cache_root",
     "ensure_model",
     "is_complete",
+    "same_on_every_node",
 ]

@@ -357,3 +357,33 @@ def test_smollm2_conversion_answers_paris(tmp_path: Path) -> None:
         out = model.generate(ids, max_new_tokens=16, do_sample=False)
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_a_known_model_reads_the_same_path_on_nodes_with_different_homes(tmp_path, monkeypatch):
+    """NIXL's handshake hashes the model's path string: two nodes whose builds live under
+    different homes must hand vLLM the same path, each resolving to its own build."""
+    monkeypatch.setattr(cache_mod, "LINK_ROOT", str(tmp_path / "links-{uid}"))
+    builds = []
+    for home in ("head", "worker"):
+        built = tmp_path / home / ".cache" / "tiny"
+        built.mkdir(parents=True)
+        (built / "config.json").write_text(home)
+        builds.append(built)
+    head = cache_mod.same_on_every_node("tiny", builds[0])
+    assert (head / "config.json").read_text() == "head"
+    # The worker node: its own /tmp in real life; here the link is replaced in place.
+    worker = cache_mod.same_on_every_node("tiny", builds[1])
+    assert str(worker) == str(head) and (worker / "config.json").read_text() == "worker"
+    # A path or a hub id given by the user is the same on every node already.
+    assert cache_mod.same_on_every_node("/models/x", "/models/x") == "/models/x"
+
+
+def test_the_link_directory_must_be_this_users_own(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(cache_mod, "LINK_ROOT", str(tmp_path / "links-{uid}"))
+    root = tmp_path / f"links-{os.getuid()}"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)  # another user could have planted links in it
+    with pytest.raises(RuntimeError, match="not a private directory"):
+        cache_mod.same_on_every_node("tiny", tmp_path)

@@ -1,10 +1,17 @@
-"""`ray up` for real: the shipped on-premises cluster file, pointed at an SSH server this test
-runs on loopback; the cluster comes up, pdserve serves a chat completion through it (the
-`openai` client), and `ray down` leaves nothing running.
+"""`ray up` for real, on two nodes: the shipped on-premises cluster file, pointed at two SSH
+servers this test runs, each a node of its own (``launch/ssh_node.py``: its own home, /tmp and
+process table). The worker node is in a network namespace behind the testbed's veth link
+(``launch/testbed.py``), the head on the link's host side. Ray's autoscaler, on the head,
+starts the worker over SSH, and the worker runs pdserve's setup as shipped (``make setup`` into
+its own ``~/pdserve-venv``, its pip reaching PyPI through ``launch/egress.py``). The deployment
+puts prefill on the worker and decode on the head, serves a chat completion P/D across the link
+(the `openai` client; the decode engine's NIXL counts the pull), its greedy text equals the head
+alone's, and `ray down` leaves nothing running on either node.
 
-Adapted from launch/cluster/onprem.yaml only where this machine differs: the head is 127.0.0.1
-reached through the test's sshd (on its own port, via ``ssh_proxy_command``), no workers, the
-already-installed environment instead of a fresh build, the tiny model and test ports.
+Adapted from launch/cluster/onprem.yaml only where this machine differs: the nodes' addresses,
+their SSH port (via ``ssh_proxy_command``), each node's IP given to ``ray start`` (the worker's
+namespace has no default route for Ray's address detection), the head's already-installed
+environment instead of a fresh build, role resources per node, the tiny model and test ports.
 """
 
 from __future__ import annotations
@@ -18,20 +25,29 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import yaml
 
+from harness.routes import wait_for
 from harness.stack import http_status
+from launch import testbed
+from launch.egress import EgressProxy
+from launch.ssh_node import SshNode
+from tests.e2e.test_zz_prefill_down import sample
 
 REPO = Path(__file__).resolve().parents[2]
 PROXY_PORT = 19500
 BIN = Path(sys.executable).parent
+NIXL_BYTES = 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="pdserve-tiny"}'
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 _MISSING = [what for what, ok in (
     ("root", os.geteuid() == 0),
     ("sshd", shutil.which("sshd", path="/usr/sbin:/usr/bin")),
-    ("rsync", shutil.which("rsync"))) if not ok]
+    ("rsync", shutil.which("rsync")),
+    ("network namespaces", testbed.available())) if not ok]
 #: Skipped on a developer's machine without them; under CI (which installs them) a missing
 #: prerequisite fails the test instead, so a broken install step cannot pass as a skip.
 pytestmark = pytest.mark.skipif(
@@ -52,75 +68,65 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def bashrc():
-    """The cluster's setup step appends to the SSH user's ~/.bashrc (here: this machine's
-    root): put it back afterwards."""
-    path = Path.home() / ".bashrc"
-    saved = path.read_bytes() if path.exists() else None
-    yield
-    if saved is None:
-        path.unlink(missing_ok=True)
-    else:
-        path.write_bytes(saved)
-
-
-@pytest.fixture
-def sshd(tmp_path):
-    """An sshd on 127.0.0.1:<free port> accepting one key for root; stopped after."""
+def nodes(tmp_path):
+    """The head (on the link's host side) and the worker (in the link's netns), each an SSH
+    server for one key, as two machines; powered off and their files removed after."""
     key = tmp_path / "id_ed25519"
-    host_key = tmp_path / "host_ed25519"
-    for k in (key, host_key):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(k)], check=True)
-    (tmp_path / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
-    port = free_port()
-    config = tmp_path / "sshd_config"
-    config.write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\nPidFile {tmp_path}/sshd.pid\n"
-        f"AuthorizedKeysFile {tmp_path}/authorized_keys\nPermitRootLogin prohibit-password\n"
-        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
-        "StrictModes no\nAcceptEnv LANG LC_*\n")
-    Path("/run/sshd").mkdir(exist_ok=True)
-    proc = subprocess.Popen([shutil.which("sshd", path="/usr/sbin:/usr/bin"), "-D", "-e", "-f",
-                             str(config)], stderr=open(tmp_path / "sshd.log", "wb"))
-    deadline = time.monotonic() + 20
-    while True:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    pub = Path(f"{key}.pub").read_text()
+    # Not under /tmp: each node's /tmp is its own, bound over the machine's.
+    root = Path("/var/tmp") / f"pdserve-ray-up-{os.getpid()}"
+    ssh_port = free_port()
+    link = testbed.ThrottledLink("pdrayup", 234)
+    with link, EgressProxy(link.host_addr, free_port(), link.subnet) as egress:
+        head = SshNode("head", link.host_addr, root / "head", pub, port=ssh_port)
+        # Port 22 in the worker's own netns: the head's autoscaler reaches it with plain SSH
+        # (Ray keeps ssh_proxy_command for the launcher only).
+        worker = SshNode("worker", link.ns_addr, root / "worker", pub, netns=link.netns,
+                         port=22, egress=egress.url)
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert proc.poll() is None, (tmp_path / "sshd.log").read_text()
-            assert time.monotonic() < deadline, "sshd did not start"
-            time.sleep(0.2)
-    yield key, port
-    proc.terminate()
-    proc.wait(10)
+            with head, worker:
+                yield head, worker, key
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
-def cluster_file(tmp_path: Path, key: Path, ssh_port: int) -> Path:
+def cluster_file(tmp_path: Path, head: SshNode, worker: SshNode, key: Path) -> Path:
     config = yaml.safe_load((REPO / "launch" / "cluster" / "onprem.yaml").read_text())
     gcs_port = free_port()
     config["cluster_name"] = f"pdserve-test-{os.getpid()}"
-    config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
-    config["max_workers"] = 0
+    config["provider"].update(head_ip=head.address, worker_ips=[worker.address])
+    assert config["max_workers"] == 1
     config["auth"] = {
         "ssh_user": "root", "ssh_private_key": str(key),
-        # The test's sshd listens on its own port; Ray's SSH has no port option.
-        "ssh_proxy_command": (f"bash -c 'exec 3<>/dev/tcp/127.0.0.1/{ssh_port}; "
+        # The launcher reaches the head's sshd on its own port (Ray's SSH has no port option);
+        # Ray does not pass this on to the head, whose autoscaler uses the worker's port 22.
+        "ssh_proxy_command": (f"bash -c 'exec 3<>/dev/tcp/%h/{head.port}; "
                               "cat <&3 & exec cat >&3'"),
     }
-    config["file_mounts"] = {str(tmp_path / "pdserve-src"): "."}
-    # This machine already has the environment (BIN): keep only the PATH step, pointed at it.
-    config["setup_commands"] = [c.replace("$HOME/pdserve-venv/bin", str(BIN))
-                                for c in config["setup_commands"] if "make " not in c]
-    assert len(config["setup_commands"]) == 1 and str(BIN) in config["setup_commands"][0]
-    start = [c.replace("--port=6379", f"--port={gcs_port} --num-cpus=4")
+    # The worker sets up as shipped; the head already has this machine's environment (BIN):
+    # only the PATH step, pointed at it.
+    shipped = config.pop("setup_commands")
+    assert any("make -C ~/pdserve-src setup" in c for c in shipped), shipped
+    config["setup_commands"] = []
+    config["worker_setup_commands"] = shipped
+    config["head_setup_commands"] = [c.replace("$HOME/pdserve-venv/bin", str(BIN))
+                                     for c in shipped if "make " not in c]
+    assert len(config["head_setup_commands"]) == 1
+    start = [c.replace("--port=6379", f"--port={gcs_port} --num-cpus=4 --node-ip-address="
+                       f"{head.address} --resources='{{\"pd_decode\": 100}}'")
              for c in config["head_start_ray_commands"]]
     start = [c.replace("--host 0.0.0.0 --port 8000",
                        f"--host 127.0.0.1 --port {PROXY_PORT} --model tiny --kv-blocks 512 "
-                       "--policy disaggregate --probe-tokens ''")
-             .replace("~/pdserve.log", str(tmp_path / "pdserve.log")) for c in start]
+                       "--policy disaggregate --probe-tokens '' "
+                       "--prefill-on pd_prefill --decode-on pd_decode") for c in start]
     assert any(f"--port {PROXY_PORT}" in c for c in start), start
     config["head_start_ray_commands"] = start
+    workers = [c.replace("$RAY_HEAD_IP:6379", f"$RAY_HEAD_IP:{gcs_port} --node-ip-address="
+                         f"{worker.address} --resources='{{\"pd_prefill\": 100}}'")
+               for c in config["worker_start_ray_commands"]]
+    assert any("pd_prefill" in c for c in workers), workers
+    config["worker_start_ray_commands"] = workers
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -148,58 +154,82 @@ def ray_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def ray_down(path: Path) -> subprocess.CompletedProcess:
-    """``ray down``, once more if Ray's own state file was left empty by a race that exists
-    only when the launcher and the head are one machine (as here): the launcher's cluster
-    state file (``/tmp/ray/cluster-<name>.state``) is then also the head autoscaler's, and
-    ``ray down``'s ``ray stop`` on the head can kill the autoscaler while it rewrites the file
-    (open, truncate, write). ``ray down`` then fails reading it (a CI run saw it: 0 bytes,
-    ``JSONDecodeError``). Without the file, Ray rebuilds it from the cluster file. Either
-    way, the files are removed after (the cluster name is per test run)."""
+    """``ray down``, then the launcher's state and lock files removed (the cluster name is per
+    test run). The head's autoscaler keeps its own state file in the head's /tmp: when the
+    launcher and the head shared one /tmp, ``ray down``'s ``ray stop`` could kill the
+    autoscaler while it rewrote the file, leaving it empty (a CI run saw it)."""
     from ray.autoscaler._private.local.config import get_lock_path, get_state_path
 
     name = yaml.safe_load(path.read_text())["cluster_name"]
-    state = Path(get_state_path(name))
     try:
-        down = ray_cli("down", "-y", str(path), timeout=300)
-        if (down.returncode != 0 and "JSONDecodeError" in down.stderr and state.exists()
-                and state.stat().st_size == 0):
-            print("ray down: Ray's cluster state file was left empty; again without it")
-            state.unlink()
-            down = ray_cli("down", "-y", str(path), timeout=300)
-        return down
+        return ray_cli("down", "-y", str(path), timeout=300)
     finally:
-        for leftover in (state, Path(get_lock_path(name))):
+        for leftover in (Path(get_state_path(name)), Path(get_lock_path(name))):
             leftover.unlink(missing_ok=True)
 
 
-def test_ray_up_serves_and_ray_down_cleans_up(sshd, bashrc, tmp_path):
+def chat() -> tuple[str, str]:
+    """The question through the proxy with the `openai` client: (route, greedy answer)."""
     from openai import OpenAI
 
+    client = OpenAI(base_url=f"http://127.0.0.1:{PROXY_PORT}/v1", api_key="unused")
+    raw = client.chat.completions.with_raw_response.create(
+        model="pdserve-tiny", max_tokens=8, temperature=0, messages=QUESTION)
+    reply = raw.parse()
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+    return raw.headers["x-pd-route"], reply.choices[0].message.content
+
+
+def test_two_node_ray_up_serves_pd_across_nodes_and_ray_down_cleans_up(nodes, tmp_path):
+    head, worker, key = nodes
     assert not leftovers(), f"another Ray/pdserve is running here: {leftovers()}"
-    key, ssh_port = sshd
-    path = cluster_file(tmp_path, key, ssh_port)
+    path = cluster_file(tmp_path, head, worker, key)
+    proxy = f"http://127.0.0.1:{PROXY_PORT}"
     up = ray_cli("up", "-y", "--no-config-cache", str(path), timeout=900)
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        assert (tmp_path / "pdserve-src" / "launch" / "cluster" / "onprem.yaml").exists()
-        deadline = time.monotonic() + 600
-        log = tmp_path / "pdserve.log"
-        while http_status(f"http://127.0.0.1:{PROXY_PORT}/health") != 200:
+        log = head.home / "pdserve.log"
+        deadline = time.monotonic() + 900  # the worker's own `make setup` runs meanwhile
+        while http_status(f"{proxy}/health") != 200:
             assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else ""
             time.sleep(2)
-        client = OpenAI(base_url=f"http://127.0.0.1:{PROXY_PORT}/v1", api_key="unused")
-        raw = client.chat.completions.with_raw_response.create(
-            model="pdserve-tiny", max_tokens=8, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert raw.headers["x-pd-route"] == "disaggregated"
-        reply = raw.parse()
-        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+        # The worker set itself up as shipped, in its own home: the synced source, its venv.
+        assert (worker.home / "pdserve-src" / "launch" / "cluster" / "onprem.yaml").exists()
+        assert (worker.home / "pdserve-venv" / "bin" / "pdserve").exists()
+        assert not (head.home / "pdserve-venv").exists()
+        # Each node's Ray wrote in its own /tmp.
+        # (session_latest links to /tmp/ray/...: the node's /tmp, not the test's)
+        assert any((head.tmp / "ray").glob("session_2*"))
+        assert any((worker.tmp / "ray").glob("session_2*"))
+        engines = httpx.get(f"{proxy}/pd/costs", timeout=10).json()["engines"]
+        hosts = {name: httpx.URL(e["url"]).host for name, e in engines.items()}
+        assert hosts == {"prefill-0": worker.address, "decode-0": head.address}
+
+        route, pd_text = chat()
+        assert route == "disaggregated"
+        # The KV crossed the link: the decode engine's NIXL read it from the worker node.
+        # (vLLM publishes its connector's counters at its next stats interval)
+        def nixl_lines() -> list[str]:
+            text = httpx.get(engines["decode-0"]["url"] + "/metrics", timeout=10).text
+            return [line for line in text.splitlines() if "nixl" in line and line[0] != "#"]
+
+        try:
+            wait_for(lambda: sample("\n".join(nixl_lines()), NIXL_BYTES) > 0,
+                     "the decode engine's NIXL to count the pull", timeout_s=30)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {nixl_lines()}") from None
+        # The head alone (its decode engine computes the prompt): the same greedy text.
+        r = httpx.post(f"{proxy}/pd/admin/routing", json={"policy": "local"}, timeout=10)
+        assert r.status_code == 200, r.text
+        route, alone_text = chat()
+        assert route == "local" and alone_text == pd_text
     finally:
         down = ray_down(path)
         deadline = time.monotonic() + 180
-        while leftovers() and time.monotonic() < deadline:
+        while (leftovers() or worker.pids() or head.pids()) and time.monotonic() < deadline:
             time.sleep(2)
         left = leftovers()
+        on_nodes = {"head": head.pids(), "worker": worker.pids()}
         for line in left:  # never leave them behind, even when the test is about to fail
             pid = int(line.split(":", 1)[0]) if line[0].isdigit() else None
             if pid:
@@ -209,3 +239,4 @@ def test_ray_up_serves_and_ray_down_cleans_up(sshd, bashrc, tmp_path):
                     pass
     assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
     assert not left, f"ray down left these running: {left}"
+    assert not any(on_nodes.values()), f"ray down left processes on the nodes: {on_nodes}"
