@@ -94,8 +94,9 @@ def is_loopback(host: str) -> bool:
 
 
 def private_socket_dir(root: Path = Path("/tmp")) -> Path:
-    """``/tmp/pdserve-<uid>``: this user's Unix sockets; refused when another user owns it or
-    may enter it (a planted directory would let them read or impersonate the publishers)."""
+    """``/tmp/pdserve-<uid>``: this user's Unix sockets and model links; refused when another
+    user owns it or may enter it (a planted directory would let them read or impersonate the
+    publishers, or swap a model)."""
     path = root / f"pdserve-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     st = path.lstat()

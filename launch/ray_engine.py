@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.engines import EngineSpec, default_dtype, detect_device
+from launch.engines import EngineSpec, default_dtype, detect_device, private_socket_dir
 from launch.isolation import guard
 from launch.processes import EngineProcess, start_engine, stop_engines
 from launch.settings import EngineSettings
@@ -149,7 +149,9 @@ class EngineHost:
         self.name = name
         self.role = role
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        model_path = str(same_on_every_node(t.model, ensure_model(t.model)))
+        # NIXL's handshake hashes the model's path: the same on every node, whatever its home.
+        model_path = str(same_on_every_node(t.model, ensure_model(t.model),
+                                            private_socket_dir() / "models"))
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         host = t.bind_host or self.node_ip

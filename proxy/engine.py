@@ -40,6 +40,9 @@ class Engine:
     _foreign: int = 0
     nixl_transfers: int = 0
     _nixl: tuple[float, float] | None = None  # (bytes, seconds) at the last probe
+    #: KV pulls its NIXL reported failed since the proxy first read it (it then recomputed).
+    kv_pull_failures: int = 0
+    _nixl_failed: float | None = None  # the engine's own total at the last probe
     #: Scale-down in progress: serves what it has, is picked for nothing new.
     draining: bool = False
     #: The streams being relayed from it now (``proxy/relay.py``): what a scale-down past its
@@ -71,7 +74,9 @@ class Engine:
         """Whether the engine's role allows ``duty`` (assigned or not)."""
         return self.role in (duty, "both")
 
-    def update_load(self, metrics_text: str) -> None:
+    def update_load(self, metrics_text: str) -> int:
+        """Take in a look at the engine's metrics; the KV pulls that failed since the last
+        look (the first look is the baseline)."""
         load = engine_load(metrics_text)
         self.engine_requests = load.requests
         self._foreign = max(0, self.engine_requests - self.inflight)
@@ -92,6 +97,11 @@ class Engine:
                     0.5 * self.nixl_bytes_per_s + 0.5 * rate)
         self._nixl = nixl
         self.nixl_transfers = int(load.nixl_transfers)
+        failed = 0 if self._nixl_failed is None else max(0, int(load.nixl_failed
+                                                                - self._nixl_failed))
+        self._nixl_failed = load.nixl_failed
+        self.kv_pull_failures += failed
+        return failed
 
     @property
     def foreign_requests(self) -> int:

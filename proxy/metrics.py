@@ -110,6 +110,12 @@ class ProxyMetrics:
             " pair (the KV pull and the decode engine's first step).",
             ["prefill", "decode"], buckets=_LATENCY_BUCKETS_S, registry=r,
         )
+        self.kv_pull_failures_total = Counter(
+            "pd_kv_pull_failures_total", "KV pulls a decode engine's NIXL reported failed; the"
+            " engine then computed the prompt itself (vLLM's kv_load_failure_policy=recompute),"
+            " so the request was served, at a prefill's cost twice.",
+            ["engine"], registry=r,
+        )
         self.kv_moved_bytes_total = Counter(
             "pd_kv_moved_bytes_total", "KV bytes decode engines pulled, per prefill -> decode"
             " pair (prompt tokens not cached on decode x KV bytes per token).",

@@ -35,6 +35,7 @@ async def costs(request: Request, service: ProxyService) -> Response:
                  "engine_requests": e.engine_requests,
                  "mean_prompt_tokens": e.mean_prompt_tokens,
                  "nixl_bytes_per_s": e.nixl_bytes_per_s, "nixl_transfers": e.nixl_transfers,
+                 "kv_pull_failures": e.kv_pull_failures,
                  "cached_blocks": len(e.index), "block_size": e.index.block_size}
         for e in service.pool.all()}
     return json_response(view)

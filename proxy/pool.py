@@ -226,8 +226,12 @@ class EnginePool:
             ok = status == 200
             if ok:
                 status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
-                if status == 200:
-                    engine.update_load(text)
+                if status == 200 and (failed := engine.update_load(text)):
+                    self._metrics.kv_pull_failures_total.labels(engine.name).inc(failed)
+                    log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts "
+                                "itself; its vLLM log says why (e.g. 'NIXL compatibility hash "
+                                "mismatch': engines built from different vLLM, model path or "
+                                "dtype)", engine.name, failed)
         except EngineUnreachable:
             ok = False
         except EngineTimeout:

@@ -20,8 +20,10 @@ FINISHED = "vllm:request_success_total"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
 NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
+#: Pulls NIXL gave up on; vLLM then computes the prompt itself (``kv_load_failure_policy``).
+NIXL_FAILED = "vllm:nixl_num_failed_transfers_total"
 _LOAD_SERIES = (RUNNING, WAITING, PROMPT_TOKENS, FINISHED, NIXL_BYTES, NIXL_SECONDS,
-                NIXL_TRANSFERS)
+                NIXL_TRANSFERS, NIXL_FAILED)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class EngineLoad:
     nixl_bytes: float = 0.0
     nixl_seconds: float = 0.0
     nixl_transfers: float = 0.0
+    nixl_failed: float = 0.0
 
     @property
     def requests(self) -> int:
@@ -60,4 +63,4 @@ def engine_load(text: str) -> EngineLoad:
         requests_running=sums.get(RUNNING, 0.0), requests_waiting=sums.get(WAITING, 0.0),
         prompt_tokens=sums.get(PROMPT_TOKENS, 0.0), requests_finished=sums.get(FINISHED, 0.0),
         nixl_bytes=sums.get(NIXL_BYTES, 0.0), nixl_seconds=sums.get(NIXL_SECONDS, 0.0),
-        nixl_transfers=sums.get(NIXL_TRANSFERS, 0.0))
+        nixl_transfers=sums.get(NIXL_TRANSFERS, 0.0), nixl_failed=sums.get(NIXL_FAILED, 0.0))

@@ -15,7 +15,7 @@ Contract of ``ensure_model(name, cache_dir=None, progress=None)``:
   unchanged; anything else is taken to be a hub id and returned as the string
   (vLLM resolves it).
 
-``same_on_every_node(name, built)``: for engines on several nodes (Ray mode), a path to a
+``same_on_every_node(name, built, link_dir)``: for engines on several nodes (Ray mode), a path to a
 known model's build that reads the same on every node, whatever its home: NIXL's handshake
 hashes the model's path string (vLLM's ``compute_nixl_compatibility_hash``), and a prefill
 and a decode engine whose nodes keep the build under different homes refuse each other's KV
@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -50,8 +49,6 @@ KNOWN_MODELS: dict[str, Builder] = {"tiny": build_tiny_model, "smollm2": convert
 RECIPE_VERSIONS: dict[str, int] = {"tiny": 1, "smollm2": 1}
 MARKER_FILE = ".pdserve-model.json"
 CACHE_ENV = "PDSERVE_CACHE"
-#: Where ``same_on_every_node`` links builds (per user; a node's own /tmp).
-LINK_ROOT = "/tmp/pdserve-{uid}"
 
 
 def default_cache_root() -> Path:
@@ -72,26 +69,19 @@ def ensure_model(
     return name
 
 
-def same_on_every_node(name: str, built: Path | str) -> Path | str:
-    """``/tmp/pdserve-<uid>/models/<name>-r<recipe>``, a link to this node's ``built``, for a
-    known model; anything else unchanged (a path given is the same on every node already, a
-    hub id is a name). The directory is this user's (0700, checked), the link replaced
-    atomically, so engines starting side by side on one node agree."""
+def same_on_every_node(name: str, built: Path | str, link_dir: Path) -> Path | str:
+    """For a known model, ``<link_dir>/<name>-r<recipe>``: a link to this node's ``built``,
+    replaced atomically (engines starting side by side on one node agree). ``link_dir`` must
+    be a private directory whose path is the same on every node (Ray engines:
+    ``/tmp/pdserve-<uid>/models``). Anything else is returned unchanged: a path given is the
+    same on every node already, a hub id is a name."""
     if name not in KNOWN_MODELS:
         return built
-    uid = os.getuid()
-    root = Path(LINK_ROOT.format(uid=uid))
-    root.mkdir(mode=0o700, exist_ok=True)
-    st = root.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-        raise RuntimeError(f"{root} is not a private directory of uid {uid}: refusing to link "
-                           "a model there")
-    models = root / "models"
-    models.mkdir(exist_ok=True)
-    link = models / f"{name}-r{RECIPE_VERSIONS[name]}"
+    link_dir.mkdir(exist_ok=True)
+    link = link_dir / f"{name}-r{RECIPE_VERSIONS[name]}"
     target = str(Path(built).resolve())
     if not (link.is_symlink() and os.readlink(link) == target):
-        staging = models / f".{link.name}.{os.getpid()}"
+        staging = link_dir / f".{link.name}.{os.getpid()}"
         staging.unlink(missing_ok=True)
         staging.symlink_to(target)
         os.replace(staging, link)

@@ -18,6 +18,7 @@ import httpx
 
 from harness.engine_io import prompt_sources, success_count
 from harness.prompts import text_of_tokens
+from harness.routes import wait_for
 from tests.e2e.conftest import TINY_PORTS
 from transport import kv_params
 
@@ -100,6 +101,14 @@ def test_prefill_down_serves_local(tiny_stack):
         assert r.json()["choices"][0]["text"] == alone["choices"][0]["text"]
         assert after["external_kv_transfer"] == before["external_kv_transfer"]
         assert after["local_compute"] - before["local_compute"] >= 600 - 16
+        # Nothing the client saw tells: the proxy counts it from the engine's own metrics.
+        engines = client.get(tiny_stack.proxy_url + "/pd/costs").json()["engines"]
+        (decode,) = [n for n, e in engines.items() if e["url"] == tiny_stack.decode_url]
+        series = f'pd_kv_pull_failures_total{{engine="{decode}"}}'
+        wait_for(lambda: sample(client.get(tiny_stack.proxy_url + "/metrics").text,
+                                series) >= 1, "the proxy to count the failed pull", 15)
+        assert client.get(tiny_stack.proxy_url + "/pd/costs").json()[
+            "engines"][decode]["kv_pull_failures"] >= 1
 
 
 def test_decode_killed_mid_stream_ends_the_stream_with_an_error(tiny_stack):

@@ -359,31 +359,19 @@ def test_smollm2_conversion_answers_paris(tmp_path: Path) -> None:
     assert "Paris" in answer, answer
 
 
-def test_a_known_model_reads_the_same_path_on_nodes_with_different_homes(tmp_path, monkeypatch):
+def test_a_known_model_reads_the_same_path_on_nodes_with_different_homes(tmp_path):
     """NIXL's handshake hashes the model's path string: two nodes whose builds live under
     different homes must hand vLLM the same path, each resolving to its own build."""
-    monkeypatch.setattr(cache_mod, "LINK_ROOT", str(tmp_path / "links-{uid}"))
+    links = tmp_path / "links"  # each node's own /tmp/pdserve-<uid>/models in real life
     builds = []
     for home in ("head", "worker"):
         built = tmp_path / home / ".cache" / "tiny"
         built.mkdir(parents=True)
         (built / "config.json").write_text(home)
         builds.append(built)
-    head = cache_mod.same_on_every_node("tiny", builds[0])
+    head = cache_mod.same_on_every_node("tiny", builds[0], links)
     assert (head / "config.json").read_text() == "head"
-    # The worker node: its own /tmp in real life; here the link is replaced in place.
-    worker = cache_mod.same_on_every_node("tiny", builds[1])
+    worker = cache_mod.same_on_every_node("tiny", builds[1], links)  # replaced in place
     assert str(worker) == str(head) and (worker / "config.json").read_text() == "worker"
     # A path or a hub id given by the user is the same on every node already.
-    assert cache_mod.same_on_every_node("/models/x", "/models/x") == "/models/x"
-
-
-def test_the_link_directory_must_be_this_users_own(tmp_path, monkeypatch):
-    import os
-
-    monkeypatch.setattr(cache_mod, "LINK_ROOT", str(tmp_path / "links-{uid}"))
-    root = tmp_path / f"links-{os.getuid()}"
-    root.mkdir(mode=0o777)
-    root.chmod(0o777)  # another user could have planted links in it
-    with pytest.raises(RuntimeError, match="not a private directory"):
-        cache_mod.same_on_every_node("tiny", tmp_path)
+    assert cache_mod.same_on_every_node("/models/x", "/models/x", links) == "/models/x"

@@ -122,9 +122,14 @@ def cluster_file(tmp_path: Path, head: SshNode, worker: SshNode, key: Path) -> P
                        "--prefill-on pd_prefill --decode-on pd_decode") for c in start]
     assert any(f"--port {PROXY_PORT}" in c for c in start), start
     config["head_start_ray_commands"] = start
+    # After `ray down` the worker's raylet waits out Ray's GCS reconnect timeout (60 s) before
+    # it exits and takes the node's Ray with it: 15 s here, to keep the test's time in check.
     workers = [c.replace("$RAY_HEAD_IP:6379", f"$RAY_HEAD_IP:{gcs_port} --node-ip-address="
                          f"{worker.address} --resources='{{\"pd_prefill\": 100}}'")
+               .replace("setsid nohup ray start",
+                        "RAY_gcs_rpc_server_reconnect_timeout_s=15 setsid nohup ray start")
                for c in config["worker_start_ray_commands"]]
+    assert any("reconnect_timeout_s=15" in c for c in workers), workers
     assert any("pd_prefill" in c for c in workers), workers
     config["worker_start_ray_commands"] = workers
     path = tmp_path / "cluster.yaml"
