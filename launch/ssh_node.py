@@ -51,15 +51,19 @@ _PIP_ENV = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CERT"
 class SshNode:
     """``with SshNode(name, address, root, authorized_key, netns=...) as node:`` sshd on
     ``address:port`` for root with ``authorized_key``, in a node of its own under ``root``
-    (which must not be under /tmp: the node's /tmp is bound over it)."""
+    (which must not be under /tmp: the node's /tmp is bound over it). ``keep``: paths the node
+    must still see where they are although under /tmp (a checkout and its venv)."""
 
     def __init__(self, name: str, address: str, root: Path, authorized_key: str, *,
-                 netns: str | None = None, port: int = 2222, egress: str | None = None) -> None:
+                 netns: str | None = None, port: int = 2222, egress: str | None = None,
+                 keep: tuple[Path, ...] = ()) -> None:
         root = Path(root).resolve()
         if root == Path("/tmp") or Path("/tmp") in root.parents:
             raise ValueError(f"a node's root cannot be under /tmp (its /tmp hides it): {root}")
         self.name, self.address, self.root, self.netns = name, address, root, netns
         self.port, self.egress, self._key = port, egress, authorized_key.strip()
+        #: Paths of the machine the node still sees at their place, even under /tmp.
+        self.keep = tuple(Path(k) for k in keep)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -124,8 +128,15 @@ class SshNode:
         if sshd is None:
             raise RuntimeError("no sshd on this machine (Debian: openssh-server)")
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-        inside = (f"mount --bind {self.root}/etc/passwd /etc/passwd && "
-                  f"mount --bind {self.tmp} /tmp && exec {sshd} -D -e -f {config}")
+        # ``keep`` paths under /tmp are held aside, then bound back at their place on top of
+        # the node's own /tmp (the machine's software may live there: a CI checkout, say).
+        held = [(Path(k).resolve(), self.root / "keep" / str(i)) for i, k in enumerate(self.keep)]
+        aside = "".join(f"mkdir -p {spot} && mount --bind {path} {spot} && "
+                        for path, spot in held)
+        back = "".join(f"mkdir -p {path} && mount --bind {spot} {path} && "
+                       for path, spot in held)
+        inside = (f"mount --bind {self.root}/etc/passwd /etc/passwd && {aside}"
+                  f"mount --bind {self.tmp} /tmp && {back}exec {sshd} -D -e -f {config}")
         argv = ["unshare", "--mount", "--pid", "--fork", "--mount-proc",
                 "--propagation", "private", "sh", "-c", inside]
         if self.netns:

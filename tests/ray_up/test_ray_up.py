@@ -79,7 +79,9 @@ def nodes(tmp_path):
     ssh_port = free_port()
     link = testbed.ThrottledLink("pdrayup", 234)
     with link, EgressProxy(link.host_addr, free_port(), link.subnet) as egress:
-        head = SshNode("head", link.host_addr, root / "head", pub, port=ssh_port)
+        # The head runs this checkout's environment (BIN), which may be under /tmp (CI's clone).
+        head = SshNode("head", link.host_addr, root / "head", pub, port=ssh_port,
+                       keep=(REPO,) if Path("/tmp") in REPO.parents else ())
         # Port 22 in the worker's own netns: the head's autoscaler reaches it with plain SSH
         # (Ray keeps ssh_proxy_command for the launcher only).
         worker = SshNode("worker", link.ns_addr, root / "worker", pub, netns=link.netns,
