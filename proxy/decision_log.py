@@ -60,7 +60,8 @@ class Entry:
             "predicted_ttft_ms": {"disaggregated": _ms(d.predicted_disaggregated_s),
                                   "local": _ms(d.predicted_local_s)},
             "predicted_gap_ms": {"disaggregated": _ms(d.gap_disaggregated_s),
-                                 "local": _ms(d.gap_local_s)},
+                                 "local": _ms(d.gap_local_s),
+                                 "prefill_engine": _ms(d.gap_prefill_s)},
             "route_taken": self.route_taken, "ttft_ms": _ms(self.ttft_s),
         }
 

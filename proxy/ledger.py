@@ -86,6 +86,12 @@ class Ledger:
         still take (0 when one has no gap target: its gaps are not known to tolerate any)."""
         return min((c.stall_room for c in self._claims[engine] if c.decodes), default=0)
 
+    def decoding(self, engine: str, now: float) -> int:
+        """This proxy's requests decoding on ``engine`` now, or due to (not ones whose first
+        token is expected there later: ``expect_start``); a prefill leg's claim decodes none."""
+        return sum(1 for c in self._claims.get(engine, ()) if c.decodes
+                   and (c.starts_at is None or c.starts_at <= now))
+
     def exposure(self, engine: str, now: float) -> tuple[int, tuple[Arrival, ...]]:
         """The fewest stalls the requests decoding on ``engine`` now (or due to) can still
         take, and the ones bound there whose first token is expected later (``expect_start``):

@@ -77,10 +77,14 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         # No gap target: no budget to spend. Other clients' streams there: their gaps are not
         # known to tolerate any stall.
         room, arriving = 0, tuple(replace(a, room=0) for a in arriving)
+    prefill_streams = streams_beside_prefill(costs, prefill, now) if prefill else 0
+    if prefill is not None and prefill_streams:
+        inputs = replace(inputs, prefill_step=costs.step_model(prefill.name))
     decision = decide(policy, RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
-        costs=inputs, streams=streams, targets=targets, stall_room=room, arriving=arriving))
+        costs=inputs, streams=streams, targets=targets, stall_room=room, arriving=arriving,
+        prefill_streams=prefill_streams))
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
@@ -99,6 +103,14 @@ def streams_exposed(costs: RouteCosts, decode: Engine, arriving: int = 0) -> int
     return own + decode.foreign_requests
 
 
+def streams_beside_prefill(costs: RouteCosts, prefill: Engine, now: float) -> int:
+    """The streams decoding on ``prefill`` (an engine of the one pool, serving both roles):
+    what a prompt prefilled there stalls. Other clients' requests there count as streams
+    where the engine decodes; on a prefill engine they are prompts."""
+    own = max(costs.tracker(prefill.name).streams, costs.ledger.decoding(prefill.name, now))
+    return own + (prefill.foreign_requests if prefill.can("decode") else 0)
+
+
 def estimate_header(plan: Plan) -> str | None:
     """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them
     and the stalls over their target they could still take."""
@@ -111,4 +123,6 @@ def estimate_header(plan: Plan) -> str | None:
         out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
                 f"; gap_local={decision.gap_local_s * 1e3:.1f}ms"
                 f"; stall_room={decision.stall_room}")
+    if decision.gap_prefill_s is not None:  # the prefill engine's own streams (one pool)
+        out += f"; gap_prefill_engine={decision.gap_prefill_s * 1e3:.1f}ms"
     return out

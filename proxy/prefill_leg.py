@@ -46,7 +46,11 @@ class PrefillLeg:
         with self.ledger.claim(prefill, prompt_tokens=plan.prompt_tokens) as claim:
             # Timed alone: nothing else queued there, and no stream decoding there (a pool
             # engine may be doing both).
-            idle = claim.was_idle and self.costs.tracker(prefill.name).streams == 0
+            tracker = self.costs.tracker(prefill.name)
+            idle = claim.was_idle and tracker.streams == 0
+            # Streams decoding there too (one pool) see this prompt's steps: time them.
+            work = object()
+            tracker.work_started(work, t0, plan.decision.gap_prefill_s, "prefill")
             headers = {"x-request-id": req.request_id}
             span = (req.spans.call("prefill", t0, headers, engine=prefill.name,
                                    route="disaggregated")
@@ -61,6 +65,8 @@ class PrefillLeg:
                 if reply.status != 200:
                     return self._fallback("prefill_error")
                 handoff = kv_params.parse_prefill_json(reply.body)
+                tracker.work_done(work, time.perf_counter(),
+                                  prefill_tokens=handoff.num_prompt_tokens - handoff.cached_tokens)
             except EngineUnreachable:
                 self.pool.mark_down(prefill)
                 return self._fallback("prefill_unreachable")
@@ -71,6 +77,7 @@ class PrefillLeg:
             except kv_params.HandoffError:
                 return self._fallback("bad_handoff")
             finally:
+                tracker.work_dropped(work, time.perf_counter())  # (a no-op once done)
                 if req.spans is not None and span is not None:
                     req.spans.finish(span, time.perf_counter())
         seconds = time.perf_counter() - t0

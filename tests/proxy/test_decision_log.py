@@ -45,7 +45,7 @@ def test_an_entry_says_what_was_decided_and_what_came_of_it():
         "decode_cached_tokens": 36, "streams": 3, "stall_room": 2, "stalls": 0,
         "targets_ms": {"ttft": None, "itl": 50.0},
         "predicted_ttft_ms": {"disaggregated": 500.0, "local": 250.0},
-        "predicted_gap_ms": {"disaggregated": 30.0, "local": 200.0},
+        "predicted_gap_ms": {"disaggregated": 30.0, "local": 200.0, "prefill_engine": None},
         "route_taken": None, "ttft_ms": None}
     trace = Trace(t_start=10.0)
     entry.taken("local", trace)  # the prefill failed: computed on the decode engine
