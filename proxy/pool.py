@@ -226,8 +226,10 @@ class EnginePool:
             ok = status == 200
             if ok:
                 status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
-                if status == 200 and (failed := engine.update_load(text)):
+                failed = engine.update_load(text) if status == 200 else 0
+                if status == 200 and engine.can("decode"):  # its series, 0 until one fails
                     self._metrics.kv_pull_failures_total.labels(engine.name).inc(failed)
+                if failed:
                     log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts "
                                 "itself; its vLLM log says why (e.g. 'NIXL compatibility hash "
                                 "mismatch': engines built from different vLLM, model path or "

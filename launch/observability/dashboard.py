@@ -82,9 +82,11 @@ PANELS: tuple[Panel, ...] = (
         rates("vllm:external_prefix_cache_queries_total", "pd_engine")),
           "Tokens asked of and found in the connectors' stores (the CPU tier; a NIXL pull "
           "counts on a decode engine)."),
-    Panel("Fallbacks, stream errors, migrations", "reqps", (
+    Panel("Fallbacks, stream errors, migrations, failed KV pulls", "reqps", (
         rates("pd_fallbacks_total", "reason"), rates("pd_stream_errors_total", "reason"),
-        rates("pd_migrations_total", "reason"))),
+        rates("pd_migrations_total", "reason"), rates("pd_kv_pull_failures_total", "engine")),
+          "A failed KV pull is recomputed by its decode engine: the client is served, at a "
+          "second prefill's cost (the engine's vLLM log says why)."),
     Panel("Migration gap", "s", quantiles("pd_migration_seconds", "stage"),
           "A stream continued on another decode engine: its engine's loss to the "
           "continuation's headers (resumed) and first bytes (first_token)."),

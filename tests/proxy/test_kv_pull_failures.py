@@ -39,7 +39,8 @@ async def test_new_failed_pulls_are_counted_and_logged_once_each(caplog):
     (engine,) = pool.decode
     client.failed = 3  # before the proxy first looked: the baseline, not counted
     await pool.probe(engine)
-    assert engine.kv_pull_failures == 0 and not failures(metrics, "decode-0")
+    # The series is there from the first look, at 0 (a dashboard panel shows it).
+    assert engine.kv_pull_failures == 0 and failures(metrics, "decode-0") == 0
     client.failed = 5
     with caplog.at_level(logging.WARNING, logger="proxy.pool"):
         await pool.probe(engine)
@@ -47,3 +48,11 @@ async def test_new_failed_pulls_are_counted_and_logged_once_each(caplog):
     assert engine.kv_pull_failures == 2 and failures(metrics, "decode-0") == 2
     warnings = [r for r in caplog.records if "KV pull(s) failed" in r.getMessage()]
     assert len(warnings) == 1 and "decode-0: 2 KV pull(s)" in warnings[0].getMessage()
+
+
+async def test_a_prefill_engine_has_no_pull_failure_series():
+    """Only decode engines pull KV."""
+    client, metrics = MetricsClient("prefill-0"), ProxyMetrics()
+    pool = EnginePool([client], [], metrics)
+    await pool.probe(pool.prefill[0])
+    assert failures(metrics, "prefill-0") is None
