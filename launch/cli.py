@@ -57,10 +57,11 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
                    default=RayOptions.accelerator,
                    help="one GPU per engine, or one CPU (auto: GPU if the cluster has any)")
     for role in ("prefill", "decode"):
-        p.add_argument(f"--{role}-on", metavar="RESOURCE", default=None, help=(
+        p.add_argument(f"--{role}-on", metavar="RESOURCE[,RESOURCE...]", default=None, help=(
             f"{role} engines only on the nodes that offer this Ray custom resource (give it "
             f"per node: ray start --resources='{{\"RESOURCE\": 100}}', e.g. in the cluster "
-            "file's start commands); a local cluster offers it"))
+            f"file's start commands); a list: {role}-N on the Nth, round robin (one {role} "
+            "engine per node, say); a local cluster offers them all"))
     p.add_argument("--num-cpus", type=int, default=RayOptions.local_num_cpus,
                    help="logical CPUs of a local cluster (default: Ray's count)")
     p.add_argument("--namespace", default=RayOptions.namespace,
@@ -133,8 +134,8 @@ def _run_ray(args: argparse.Namespace) -> int:
         template=template, model_path=str(path), prefill=args.prefill, decode=args.decode,
         address=args.address, namespace=args.namespace, local_num_cpus=args.num_cpus,
         accelerator=args.accelerator, max_restarts=args.max_restarts,
-        placement={role: resource for role, resource in
-                   (("prefill", args.prefill_on), ("decode", args.decode_on)) if resource},
+        placement={role: tuple(r for r in resources.split(",") if r) for role, resources in
+                   (("prefill", args.prefill_on), ("decode", args.decode_on)) if resources},
         start_timeout_s=args.start_timeout_s, proxy=proxy,
         observability=_observability(args, ObservabilityOptions.workdir),
     ))

@@ -104,19 +104,26 @@ class NetnsRayCluster:
                              text=True, timeout=10).stdout
         return [int(p) for p in out.split()]
 
+    def pids(self) -> list[int]:
+        """Every process of this cluster still running, on either node."""
+        return sorted(set(self.worker_pids()) | set(self._session_pids()))
+
     def lose_worker(self) -> None:
         """SIGKILL everything on the worker node, at once (a node that loses power)."""
         _kill(self.worker_pids(), signal.SIGKILL)
 
     def _session_pids(self) -> list[int]:
+        """This cluster's processes: the ones naming its session, and the ones naming its GCS
+        address (Ray's client server names only that, and outlived every test run)."""
         found = []
+        marks = [m.encode() for m in (self._session, f"--address={self.address}") if m]
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
                     cmdline = (entry / "cmdline").read_bytes()
                 except OSError:
                     continue
-                if self._session and self._session.encode() in cmdline:
+                if self._session and any(m in cmdline for m in marks):
                     found.append(int(entry.name))
         return found
 
@@ -125,7 +132,7 @@ class NetnsRayCluster:
         (when this object made it). (Ray's GCS server, raylet and autoscaler were all still
         there 10 s after a SIGTERM, measured; nothing of a test cluster needs saving.)"""
         for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            pids = sorted(set(self.worker_pids()) | set(self._session_pids()))
+            pids = self.pids()
             if not pids:
                 break
             _kill(pids, sig)

@@ -66,8 +66,9 @@ class RayOptions:
     namespace: str = "pdserve"
     local_num_cpus: int | None = None
     accelerator: str = "auto"  # auto | cpu | gpu
-    #: Role -> a Ray custom resource: that role's engines only on nodes that offer it.
-    placement: Mapping[str, str] = field(default_factory=dict)
+    #: Role -> Ray custom resources: that role's engines only on nodes that offer them, engine N
+    #: on the Nth (round robin: ``decode-0`` on one node's, ``decode-1`` on another's).
+    placement: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     max_restarts: int = -1
     start_timeout_s: float = 900.0
     proxy: ProxySettings = field(default_factory=ProxySettings)
@@ -92,11 +93,18 @@ def actor_resources(accelerator: str, node_resource: str | None = None) -> dict[
     return out
 
 
-def unplaceable(placement: Mapping[str, str], cluster_resources: Mapping[str, float]
-                ) -> list[str]:
-    """The roles whose placement resource no node of the cluster offers (yet)."""
-    return [role for role, resource in sorted(placement.items())
-            if cluster_resources.get(resource, 0.0) < PLACEMENT_SHARE]
+def unplaceable(placement: Mapping[str, tuple[str, ...]], cluster_resources: Mapping[str, float]
+                ) -> list[tuple[str, str]]:
+    """The (role, placement resource) pairs that no node of the cluster offers (yet)."""
+    return [(role, resource) for role, resources in sorted(placement.items())
+            for resource in resources if cluster_resources.get(resource, 0.0) < PLACEMENT_SHARE]
+
+
+def placement_resource(placement: Mapping[str, tuple[str, ...]], role: str, ordinal: int
+                       ) -> str | None:
+    """The resource engine ``ordinal`` of ``role`` asks for: the role's list, round robin."""
+    resources = placement.get(role, ())
+    return resources[ordinal % len(resources)] if resources else None
 
 
 def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> str:
@@ -109,11 +117,11 @@ class RayScaler:
     """Creates and stops the deployment's engine actors (names ``prefill-N``/``decode-N``)."""
 
     def __init__(self, namespace: str, template: EngineTemplate, accelerator: str,
-                 max_restarts: int, placement: Mapping[str, str] | None = None):
+                 max_restarts: int, placement: Mapping[str, tuple[str, ...]] | None = None):
         self._namespace = namespace
         self._template = template.to_dict()
-        self._resources = {role: actor_resources(accelerator, (placement or {}).get(role))
-                           for role in ("prefill", "decode")}
+        self._accelerator = accelerator
+        self._placement = dict(placement or {})
         self._cls = engine_host_class(max_restarts)
         self.handles: dict[str, Any] = {}
         self._next = {"prefill": 0, "decode": 0}
@@ -125,7 +133,8 @@ class RayScaler:
             self._next[role] += 1
             name = f"{role}-{ordinal}"
             self.handles[name] = self._cls.options(
-                name=name, namespace=self._namespace, **self._resources[role]
+                name=name, namespace=self._namespace, **actor_resources(
+                    self._accelerator, placement_resource(self._placement, role, ordinal))
             ).remote(name, role, ordinal, self._template)
             names.append(name)
         return names
@@ -277,14 +286,14 @@ def run_ray(opts: RayOptions) -> int:
     ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
              num_cpus=opts.local_num_cpus if local else None,
              # One node, this machine: it offers every placement resource named.
-             resources={r: LOCAL_PLACEMENT for r in opts.placement.values()} if local else None,
+             resources={r: LOCAL_PLACEMENT for rs in opts.placement.values() for r in rs}
+             if local else None,
              log_to_driver=False, configure_logging=False,
              runtime_env=otel_runtime_env(os.environ, opts.template.engines))
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
-    for role in unplaceable(opts.placement, ray.cluster_resources()):
-        resource = opts.placement[role]
+    for role, resource in unplaceable(opts.placement, ray.cluster_resources()):
         print(f"warning: no node offers the Ray resource {resource!r} yet: the {role} engines "
               f"wait for one (a node offers it with ray start --resources="
               f"'{{\"{resource}\": 100}}')", file=sys.stderr, flush=True)

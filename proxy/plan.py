@@ -5,9 +5,12 @@ arrives. No I/O, and the caller reads the clock: the prompt was measured before
 ``make_plan`` picks the decode engine with the least outstanding work after this request (its
 prompt tokens that engine has not cached, plus its output budget), then the prefill engine the
 same way among the others (prompt tokens only), and asks the policy for the route of that
-pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``),
-which requests bound there are still prefilled elsewhere and when each is due to start
-decoding (``Ledger.exposure``), and the request's latency targets.
+pair, telling it how many streams decode on that engine (or are about to: ``streams_exposed``)
+and on the prefill engine where it decodes too, which requests bound there are still
+prefilled elsewhere and when each is due to start decoding (``Ledger.exposure``), and the
+request's latency targets. Where engines serve both roles and the request has targets, the
+policy is asked about each engine as the decode engine, and ``proxy/pair_choice.py`` picks
+the pair.
 The pool remembers the picks (ties rotate), so picking is the one side effect.
 """
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from proxy.costs import RouteCosts
 from proxy.errors import NoEngineAvailable
+from proxy.pair_choice import PairOption, best_pair
 from proxy.policy import Decision, PolicyMode, RouteInputs, Targets, decide
 from proxy.pool import Engine, EnginePool
 from proxy.requests import ApiRequest
@@ -60,11 +64,48 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
                                  if measured else 0)
         return hits[engine.name]
 
-    decode = decode or pool.pick_decode(lambda e: load(e) + tokens - cached(e) + output_budget)
-    if decode is None:
-        raise NoEngineAvailable("no decode engine is available")
-    prefill = prefill or pool.pick_prefill(lambda e: load(e) + tokens - cached(e),
-                                           exclude=decode)
+    def decode_work(e: Engine) -> float:
+        return load(e) + tokens - cached(e) + output_budget
+
+    def prefill_work(e: Engine) -> float:
+        return load(e) + tokens - cached(e)
+
+    def decided(decode: Engine, prefill: Engine | None) -> Decision:
+        return decide(policy, route_inputs(costs, decode, prefill, tokens, cached, targets, now))
+
+    if decode is None and prefill is None and _picks_pairs(pool, policy, targets):
+        usable = pool.usable("decode")
+        warm = [d for d in usable if not d.warming] or usable  # (as ``pick_decode``)
+        options = [PairOption(d, p, decided(d, p), streams_exposed(costs, d), decode_work(d))
+                   for d in warm for p in [pool.cheapest_prefill(prefill_work, exclude=d)]]
+        if not options:
+            raise NoEngineAvailable("no decode engine is available")
+        best = best_pair(options)
+        decode, prefill = best.decode, pool.picked(best.prefill, "prefill")
+        pool.picked(decode, "decode")
+        decision = best.decision
+    else:
+        decode = decode or pool.pick_decode(decode_work)
+        if decode is None:
+            raise NoEngineAvailable("no decode engine is available")
+        prefill = prefill or pool.pick_prefill(prefill_work, exclude=decode)
+        decision = decided(decode, prefill)
+    if req.force_route is not None and (req.force_route == "local" or prefill is not None):
+        decision = replace(decision, route=req.force_route, reason="forced")
+    return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
+                targets)
+
+
+def _picks_pairs(pool: EnginePool, policy: PolicyMode, targets: Targets | None) -> bool:
+    """With targets, ``auto`` weighs each pair where engines serve both roles."""
+    return (policy.kind == "auto" and targets is not None and targets.any
+            and any(e.can("prefill") for e in pool.decode))
+
+
+def route_inputs(costs: RouteCosts, decode: Engine, prefill: Engine | None, tokens: int,
+                 cached: Callable[[Engine], int], targets: Targets | None, now: float
+                 ) -> RouteInputs:
+    """What the policy is told about routing ``tokens`` prompt tokens to this pair."""
     inputs = costs.inputs(
         prefill.name if prefill else None, decode.name,
         prefill.foreign_requests if prefill else 0, decode.foreign_requests,
@@ -80,15 +121,11 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
     prefill_streams = streams_beside_prefill(costs, prefill, now) if prefill else 0
     if prefill is not None and prefill_streams:
         inputs = replace(inputs, prefill_step=costs.step_model(prefill.name))
-    decision = decide(policy, RouteInputs(
+    return RouteInputs(
         prompt_tokens=tokens, prefill_cached_tokens=cached(prefill) if prefill else 0,
         decode_cached_tokens=cached(decode), prefill_available=prefill is not None,
         costs=inputs, streams=streams, targets=targets, stall_room=room, arriving=arriving,
-        prefill_streams=prefill_streams))
-    if req.force_route is not None and (req.force_route == "local" or prefill is not None):
-        decision = replace(decision, route=req.force_route, reason="forced")
-    return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
-                targets)
+        prefill_streams=prefill_streams)
 
 
 def streams_exposed(costs: RouteCosts, decode: Engine, arriving: int = 0) -> int:

@@ -76,9 +76,11 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     if inputs.costs is None:
         return made("disaggregated", "no_cost_model")
     if inputs.targets is not None and inputs.targets.any:
-        route, reason = for_targets(inputs, inputs.targets, predicted, gaps, prefill_gap)
+        route, reason, (missed, violation) = for_targets(
+            inputs, inputs.targets, predicted, gaps, prefill_gap)
         spent = stalls_needed(route, uncached, inputs.costs.chunk_tokens)
-        return replace(made(route, reason), stalls=spent if reason == "slo_stall_budget" else 0)
+        return replace(made(route, reason), stalls=spent if reason == "slo_stall_budget" else 0,
+                       over_targets=missed, violation=violation)
     if uncached == 0:
         return made("local", "cached_on_decode")
     disagg_s, local_s = predicted

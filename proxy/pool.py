@@ -168,16 +168,27 @@ class EnginePool:
     def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost,
                      exclude: Engine | None = None) -> Engine | None:
         """The cheapest engine to prefill for ``exclude`` (the decode engine: never itself)."""
-        return self._picked(
+        return self.picked(
             _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill"), "prefill")
 
     def pick_decode(self, cost: Callable[[Engine], float] = _no_cost,
                     exclude: str | None = None) -> Engine | None:
         """The cheapest engine to decode on, never the one named ``exclude`` (it failed)."""
-        return self._picked(
+        return self.picked(
             _cheapest([e for e in self.decode if e.name != exclude], cost, "decode"), "decode")
 
-    def _picked(self, engine: Engine | None, duty: str) -> Engine | None:
+    def usable(self, duty: str) -> list[Engine]:
+        """The engines that may be given ``duty`` now, without picking one (the pair of engines
+        is chosen among them where engines serve both roles: ``proxy/plan.py``)."""
+        engines = self.decode if duty == "decode" else self.prefill
+        return [e for e in engines if e.healthy and not e.draining]
+
+    def cheapest_prefill(self, cost: Callable[[Engine], float], exclude: Engine) -> Engine | None:
+        """``pick_prefill``'s engine, not recorded as picked."""
+        return _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill")
+
+    def picked(self, engine: Engine | None, duty: str) -> Engine | None:
+        """Record ``engine`` as picked for ``duty`` (ties rotate by the oldest pick)."""
         if engine is not None:
             self._picks += 1
             engine.last_pick[duty] = self._picks

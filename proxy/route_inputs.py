@@ -89,6 +89,11 @@ class Decision:
     #: The longest gap the disaggregated route's prefill puts between the tokens of the streams
     #: decoding on the prefill engine (``RouteInputs.prefill_streams``; None: none there).
     gap_prefill_s: float | None = None
+    #: With targets: the requests the route is predicted to put over one (the arrival, and the
+    #: streams it stalls past their room), and by how much (``proxy/slo_rule.py``): how the
+    #: pair of engines is picked where engines serve both roles (``proxy/pair_choice.py``).
+    over_targets: int = 0
+    violation: float = 0.0
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (

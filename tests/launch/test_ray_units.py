@@ -12,6 +12,7 @@ from launch.ray_mode import (
     PLACEMENT_SHARE,
     actor_resources,
     otel_runtime_env,
+    placement_resource,
     resolve_accelerator,
     unplaceable,
 )
@@ -85,10 +86,21 @@ def test_a_role_placed_by_a_resource_asks_for_a_share_of_it():
 
 
 def test_roles_whose_resource_no_node_offers_are_named():
-    placement = {"prefill": "pd_prefill", "decode": "pd_decode"}
-    assert unplaceable(placement, {"CPU": 4.0, "pd_prefill": 100.0}) == ["decode"]
-    assert unplaceable(placement, {"pd_prefill": 1.0, "pd_decode": 1.0}) == []
+    placement = {"prefill": ("pd_prefill",), "decode": ("pd_decode", "pd_decode_b")}
+    assert unplaceable(placement, {"CPU": 4.0, "pd_prefill": 100.0, "pd_decode": 100.0}) == [
+        ("decode", "pd_decode_b")]
+    assert unplaceable(placement, {"pd_prefill": 1.0, "pd_decode": 1.0,
+                                   "pd_decode_b": 1.0}) == []
     assert unplaceable({}, {}) == []
+
+
+def test_a_roles_engines_take_its_resources_round_robin():
+    """``--decode-on a,b``: decode-0 on a node offering a, decode-1 on one offering b, decode-2
+    on a again (one decode engine per node, say)."""
+    placement = {"decode": ("pd_a", "pd_b")}
+    assert [placement_resource(placement, "decode", i) for i in range(3)] == [
+        "pd_a", "pd_b", "pd_a"]
+    assert placement_resource(placement, "prefill", 0) is None
 
 
 def test_the_cli_takes_a_resource_per_role():
@@ -100,3 +112,5 @@ def test_the_cli_takes_a_resource_per_role():
     _add_ray(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["ray", "--prefill-on", "pd_prefill"])
     assert (args.prefill_on, args.decode_on) == ("pd_prefill", None)
+    args = parser.parse_args(["ray", "--decode-on", "pd_a,pd_b"])
+    assert args.decode_on == "pd_a,pd_b"

@@ -59,7 +59,7 @@ def two_nodes():
     with NetnsRayCluster(testbed.ThrottledLink("pdplace", 233), head_resource="pd_test_decode",
                          worker_resource="pd_test_prefill") as cluster:
         yield cluster
-    assert not cluster.worker_pids(), "processes left in the worker node's namespace"
+    assert not cluster.pids(), "processes of the cluster left (worker namespace, or head)"
     # A later local cluster (tests/ray's own) must not mistake this one for a running cluster.
     current = Path("/tmp/ray/ray_current_cluster")
     assert not current.exists() or current.read_text().strip() != cluster.address
