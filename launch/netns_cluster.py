@@ -7,6 +7,7 @@ a network namespace of its own, joined by the testbed's veth link (``launch/test
     root namespace                                  netns <link.netns>
     Ray head (GCS, raylet) on link.host_addr        Ray worker raylet on link.ns_addr
     resources: {head_resource: 100}                 resources: {worker_resource: 100}
+    (each a name, or several comma-separated)
     <== veth, shaped by link.set_rate ==>
 
 Each node's engines bind that node's address (``launch/ray_engine.py``), so KV between an engine on
@@ -31,6 +32,7 @@ not ``ray stop``, which would end every Ray cluster on the machine.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -85,7 +87,7 @@ class NetnsRayCluster:
             self._created_link = True
         self._ray("start", "--head", f"--node-ip-address={self.link.host_addr}",
                   f"--port={self.gcs_port}", f"--num-cpus={self.num_cpus}",
-                  f'--resources={{"{self.head_resource}": 100}}', "--include-dashboard=false",
+                  f"--resources={_offered(self.head_resource)}", "--include-dashboard=false",
                   "--disable-usage-stats")
         self._session = Path("/tmp/ray/session_latest").resolve().name
         self.rejoin_worker()
@@ -96,7 +98,7 @@ class NetnsRayCluster:
     def rejoin_worker(self) -> None:
         """Start the worker node (again): its raylet joins the head over the link."""
         self._ray("start", f"--address={self.address}", f"--node-ip-address={self.link.ns_addr}",
-                  f"--num-cpus={self.num_cpus}", f'--resources={{"{self.worker_resource}": 100}}',
+                  f"--num-cpus={self.num_cpus}", f"--resources={_offered(self.worker_resource)}",
                   "--disable-usage-stats", netns=True)
 
     def worker_pids(self) -> list[int]:
@@ -155,6 +157,11 @@ class NetnsRayCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _offered(resources: str) -> str:
+    """A node's ``--resources``: each of the comma-separated names, 100 of it."""
+    return json.dumps({r: 100 for r in resources.split(",") if r})
 
 
 def _kill(pids: list[int], sig: signal.Signals) -> None:

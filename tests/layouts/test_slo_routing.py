@@ -158,3 +158,37 @@ def test_a_local_prefill_the_streams_stall_budget_covers_keeps_their_p99_gap(poo
         if streams is not None:
             streams.stop()
         route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
+
+
+def test_the_pool_keeps_one_engine_free_of_streams_for_long_prompts(pool_stack):
+    """Both engines may prefill and decode (the one pool). Streams decode on engine-1 only. A
+    long arrival with targets is given engine-1 to decode and engine-0 to prefill: nobody is
+    stalled now, and engine-0 stays free of streams for the next long prompt. (Least work alone
+    gave it the idle engine-0 to decode, and then every engine had streams: goodput s44.)"""
+    stack = pool_stack
+    route(stack, policy="auto", prefill=[], decode=["engine-1"])
+    streams = None
+    try:
+        streams = Streams(stack)  # no targets: placed by least work, on engine-1 (the only one)
+        deadline = time.monotonic() + 60
+        while min(len(ts) for ts in streams.times) < 20:  # both streams decoding
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        route(stack, idle=False, policy="auto", prefill=["engine-0", "engine-1"],
+              decode=["engine-0", "engine-1"])
+        rid = "pool-pair-e2e-1"
+        body = arrival(stack, 30)
+        with httpx.Client(timeout=120) as c:
+            r = c.post(stack.proxy_url + "/v1/completions", json={**body, "stream": False},
+                       headers={"x-request-id": rid})
+        assert r.status_code == 200, r.text
+        (entry,) = httpx.get(stack.proxy_url + "/pd/decisions", params={"request_id": rid},
+                             timeout=10).json()["decisions"]
+        print(f"decision: {entry}")
+        assert (entry["decode"], entry["prefill"], entry["route_taken"]) == (
+            "engine-1", "engine-0", "disaggregated"), entry
+        assert entry["reason"].startswith("slo_"), entry
+    finally:
+        if streams is not None:
+            streams.stop()
+        route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
