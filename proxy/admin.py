@@ -33,7 +33,7 @@ class ScaleRequest(BaseModel):
 
 
 class RoutingRequest(BaseModel):
-    """``POST /pd/admin/routing``: the policy and the pool engines' duties (each optional)."""
+    """``POST /pd/admin/routing``: the policy and the engines' duties (each optional)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     policy: str | None = None

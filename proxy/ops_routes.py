@@ -89,8 +89,9 @@ async def get_routing(request: Request, service: ProxyService) -> Response:
 
 
 async def set_routing(request: Request, service: ProxyService) -> Response:
-    """Switch the policy, and the duties of the pool (``kv_both``) engines, at run time; what
-    is in flight finishes as it started."""
+    """Switch the policy, and the engines' duties, at run time: a ``kv_both`` engine may take
+    either duty, an engine of a fixed role left out of its duty's list is cordoned (given
+    nothing new). What is in flight finishes as it started."""
     order: RoutingRequest = parse_admin(RoutingRequest, await request.body())
     try:
         policy = order.policy_mode()

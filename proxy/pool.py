@@ -15,8 +15,9 @@ An engine's ``role`` is what it can do: ``prefill`` (a KV producer), ``decode`` 
 which also computes prompts itself on the local route) or ``both`` (vLLM's ``kv_both``: either,
 per request). Its ``duties`` are what it is asked to do now: its role's, or for a ``both``
 engine whatever the deployment assigns (the layout at start; :meth:`EnginePool.assign` at run
-time). ``prefill`` and ``decode`` list the engines by duty; :meth:`pairs` lists every pair that
-could hand KV over (prefill-capable to decode-capable, never an engine to itself).
+time, which may also cordon an engine of a fixed role: no duty, nothing new). ``prefill`` and
+``decode`` list the engines by duty; :meth:`pairs` lists every pair that could hand KV over
+(prefill-capable to decode-capable, never an engine to itself).
 """
 
 from __future__ import annotations
@@ -86,9 +87,11 @@ class EnginePool:
                 for d in self.engines if d.can("decode") and d is not p]
 
     def assign(self, prefill: Sequence[str], decode: Sequence[str]) -> None:
-        """Give the ``both`` engines new duties: those named in ``prefill`` prefill, those in
-        ``decode`` decode (either, both or neither). Engines of a fixed role keep theirs; naming
-        one for the other duty, or leaving no engine to decode, is a ValueError."""
+        """Give the engines new duties: those named in ``prefill`` prefill for others, those in
+        ``decode`` decode (a ``both`` engine either, both or neither). An engine of a fixed role
+        not named for its role's duty is cordoned: it finishes what it has and is given nothing
+        new (an engine that restarts or joins comes with its role's duty). Naming an engine for
+        a duty its role cannot do, or leaving no engine to decode, is a ValueError."""
         names = {e.name: e for e in self.engines}
         for name in (*prefill, *decode):
             if name not in names:
@@ -100,8 +103,7 @@ class EnginePool:
             if not names[name].can("decode"):
                 raise ValueError(f"{name} ({names[name].role}) cannot decode")
         new = {e.name: frozenset(d for d, listed in (("prefill", prefill), ("decode", decode))
-                                 if e.name in listed) if e.role == "both" else e.duties
-               for e in self.engines}
+                                 if e.name in listed) for e in self.engines}
         if not any("decode" in duties for duties in new.values()):
             raise ValueError("at least one engine must decode")
         for e in self.engines:

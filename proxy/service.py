@@ -192,7 +192,7 @@ class ProxyService:
 
     def set_routing(self, policy: PolicyMode | None, prefill: Sequence[str] | None,
                     decode: Sequence[str] | None) -> dict[str, Any]:
-        """Switch the policy and the pool engines' duties (what is unset stays); ValueError
+        """Switch the policy and the engines' duties (what is unset stays); ValueError
         when the duties are impossible, and then nothing changed."""
         if prefill is not None or decode is not None:
             now = {"prefill": [e.name for e in self.pool.prefill],

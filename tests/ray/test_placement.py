@@ -2,16 +2,23 @@
 (``launch/netns_cluster.py``): the head in the root network namespace, a worker node in a network
 namespace of its own, each with its own address, joined by the testbed's veth link.
 
-- ``pdserve ray --prefill-on R --decode-on S`` puts the prefill engine on the node that offers R
-  and the decode engine on the one that offers S, and the deployment serves P/D across them.
-  Each engine binds its own node's address, and KV crosses the link between them.
+- ``pdserve ray --prefill-on W --decode-on H,W`` puts the prefill engine on the node that offers
+  W (the worker), decode-0 on the one that offers H (the head) and decode-1 beside the prefill
+  engine, and the deployment serves P/D across the nodes. Each engine binds its own node's
+  address, and KV crosses the link between them.
+- One deployment, one prompt cached on the prefill engine, the link shaped slow: the cross-node
+  pair (prefill-0 -> decode-0) recomputes it, the same-node pair (prefill-0 -> decode-1) moves
+  its KV, each from its own measured link.
 - The link to the prefill engine's node is cut, silently, under streaming load: the proxy takes
   the engine out within a probe round and releases the requests waiting on it to the decode
   engine; healed, the same engine serves P/D again in seconds.
 - The prefill engine's node is lost under streaming load (every process in its namespace, the
   raylet and the engine included, SIGKILLed at once): no request fails or hangs, the proxy marks
   the engine down, new requests are served locally by the decode engine; the node comes back
-  (``ray start`` there again), Ray restarts the engine actor on it, and P/D resumes.
+  (``ray start`` there again), Ray restarts the engine actors on it, and P/D resumes.
+
+Apart from the pair test, decode-1 is cordoned (``POST /pd/admin/routing``): the load decodes on
+the head, which nothing here touches.
 
 Not issue 18's item 1 in full: the worker is not started by ``ray up`` over SSH, and it shares
 this machine's filesystem and venv. Needs root (network namespaces); under CI it fails instead of
@@ -34,7 +41,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from harness.routes import wait_for
+from harness.prompts import text_of_tokens
+from harness.routes import cache_on_prefill, costs, wait_for
 from harness.stack import Stack, start_ray
 from launch import testbed
 from launch.netns_cluster import NetnsRayCluster
@@ -45,6 +53,9 @@ NIXL_BYTES = 'vllm:nixl_bytes_transferred_sum{engine="0",model_name="pdserve-tin
 PORT = 19100
 NAMESPACE = f"pdserve-placement-{os.getpid()}"
 UNDER_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+HEAD, WORKER = "pd_test_head", "pd_test_worker"
+#: decode-1 (on the worker node) cordoned: everything decodes on the head.
+ON_HEAD = {"prefill": ["prefill-0"], "decode": ["decode-0"]}
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +64,11 @@ def two_nodes():
         if UNDER_CI:
             pytest.fail("CI=true but this machine cannot make network namespaces (root, ip, tc)")
         pytest.skip("needs root to make network namespaces")
-    # Prefill on the worker node, decode on the head: the reverse of where Ray's default
+    # Prefill on the worker node, decode-0 on the head: the reverse of where Ray's default
     # scheduling puts them (the first actor on the driver's node, the head), so the test
     # fails if the placement is ignored.
-    with NetnsRayCluster(testbed.ThrottledLink("pdplace", 233), head_resource="pd_test_decode",
-                         worker_resource="pd_test_prefill") as cluster:
+    with NetnsRayCluster(testbed.ThrottledLink("pdplace", 233), head_resource=HEAD,
+                         worker_resource=WORKER) as cluster:
         yield cluster
     assert not cluster.pids(), "processes of the cluster left (worker namespace, or head)"
     # A later local cluster (tests/ray's own) must not mistake this one for a running cluster.
@@ -70,14 +81,38 @@ def placed(two_nodes, tmp_path_factory):
     stack = start_ray("tiny", port=PORT, log_dir=tmp_path_factory.mktemp("placed"),
                       env=two_nodes.auth_env, extra=[
         "--address", two_nodes.address, "--namespace", NAMESPACE,
-        "--prefill", "1", "--decode", "1", "--prefill-on", "pd_test_prefill",
-        "--decode-on", "pd_test_decode", "--policy", "disaggregate", "--kv-blocks", "512",
+        "--prefill", "1", "--decode", "2", "--prefill-on", WORKER,
+        "--decode-on", f"{HEAD},{WORKER}", "--policy", "disaggregate", "--kv-blocks", "512",
         "--probe-tokens", ""])
     try:
+        routing(stack, **ON_HEAD)
         yield stack
     finally:
         left = stack.stop(timeout_s=120)
     assert not left, f"engine processes survived pdserve ray's SIGTERM: {left}"
+
+
+def routing(stack: Stack, **settings) -> dict:
+    r = httpx.post(stack.proxy_url + "/pd/admin/routing", json=settings, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(stack: Stack, prompt: str, request_id: str, max_tokens: int = 4) -> dict:
+    """A streamed completion through the proxy (a whole reply has no first-token time, so it
+    measures no hand-over); returns the proxy's decision for it (engines, route, reason,
+    estimates: ``/pd/decisions``)."""
+    body = {"model": stack.model_name, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as c, c.stream(
+            "POST", stack.proxy_url + "/v1/completions", json=body,
+            headers={"x-request-id": request_id}) as r:
+        lines = list(r.iter_lines())
+    assert r.status_code == 200 and lines and "data: [DONE]" in lines, lines
+    (decision,) = httpx.get(stack.proxy_url + "/pd/decisions", timeout=10,
+                            params={"request_id": request_id}).json()["decisions"]
+    assert decision["route_taken"] == r.headers["x-pd-route"], decision
+    return decision | {"estimate": r.headers.get("x-pd-estimate")}
 
 
 def engine_hosts(stack: Stack) -> dict[str, str]:
@@ -87,7 +122,8 @@ def engine_hosts(stack: Stack) -> dict[str, str]:
 
 def test_engines_go_to_the_nodes_that_offer_their_roles_resource(two_nodes, placed):
     link = two_nodes.link
-    assert engine_hosts(placed) == {"prefill-0": link.ns_addr, "decode-0": link.host_addr}
+    assert engine_hosts(placed) == {"prefill-0": link.ns_addr, "decode-0": link.host_addr,
+                                    "decode-1": link.ns_addr}
     r = httpx.post(placed.proxy_url + "/v1/completions", timeout=120, json={
         "model": placed.model_name, "prompt": "The capital of France is", "max_tokens": 4,
         "temperature": 0})
@@ -95,6 +131,53 @@ def test_engines_go_to_the_nodes_that_offer_their_roles_resource(two_nodes, plac
     # The KV crossed the link: the decode engine's NIXL read it from the other node.
     engine_metrics = httpx.get(placed.engines()["decode-0"]["url"] + "/metrics", timeout=10)
     assert sample(engine_metrics.text, NIXL_BYTES) > 0
+
+
+SLOW_MBIT = 30.0
+DOC_TOKENS = 2048
+
+
+def test_a_same_node_pair_and_a_cross_node_pair_decide_differently_for_one_prompt(two_nodes,
+                                                                                   placed):
+    """The link between the nodes shaped to 30 Mbit/s. Each pair first measures its own link
+    with a few hand-overs (the other decode engine cordoned): the cross-node pair's fit reads
+    the shaped rate, the same-node pair's a link over ten times faster. Then one document
+    (2,048 tokens, 4 MiB of KV), cached on the prefill engine only, is sent once with each decode
+    engine the only one: across the link, recomputing it is cheaper than moving it (local);
+    beside the prefill engine, moving it is (disaggregated)."""
+    link = two_nodes.link
+    shaped = SLOW_MBIT * 1e6 / 8
+    link.set_rate(testbed.LinkSpec(SLOW_MBIT))
+    try:
+        for i, decode in enumerate(("decode-0", "decode-1")):
+            routing(placed, policy="disaggregate", prefill=["prefill-0"], decode=[decode])
+            for j, n in enumerate((256, 1024, 256, 1024)):
+                seen = complete(placed, text_of_tokens(n, seed=600 + 10 * i + j),
+                                f"pair-probe-{decode}-{j}", max_tokens=1)
+                assert (seen["route_taken"], seen["decode"]) == ("disaggregated", decode), seen
+        fits = costs(placed)["links"]
+        cross, same = fits["prefill-0->decode-0"], fits["prefill-0->decode-1"]
+        print(f"link fits at {SLOW_MBIT:g} Mbit/s: cross-node {cross}, same-node {same}")
+        assert 0.5 * shaped < cross["bytes_per_s"] < 1.5 * shaped, cross
+        assert same["bytes_per_s"] > 10 * shaped, same
+
+        doc = text_of_tokens(DOC_TOKENS, seed=677)
+        placed.prefill_url = placed.engines()["prefill-0"]["url"]
+        cache_on_prefill(placed, doc, DOC_TOKENS)
+        decided = {}
+        for decode in ("decode-0", "decode-1"):
+            routing(placed, policy="auto", decode=[decode])
+            wait_for(lambda: all(e["engine_requests"] == 0
+                                 for e in costs(placed)["engines"].values()),
+                     "the proxy to see every engine idle", timeout_s=30)
+            decided[decode] = complete(placed, doc + " and then", f"pair-doc-{decode}", 2)
+        print(f"one prompt, two pairs: {decided}")
+        assert decided["decode-0"]["route_taken"] == "local", decided
+        assert decided["decode-1"]["route_taken"] == "disaggregated", decided
+        assert decided["decode-1"]["prefill"] == "prefill-0", decided
+    finally:
+        link.set_rate(testbed.UNTHROTTLED)
+        routing(placed, policy="disaggregate", **ON_HEAD)
 
 
 def stream(stack: Stack, max_tokens: int) -> dict:
@@ -252,6 +335,14 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
     assert_all_whole(load.everything())
     assert all(r["route"] == "local" for r in load.short if down < r["sent"] < back), load.short
     assert sample(after, UNAVAILABLE) > sample(before, UNAVAILABLE)
-    # The restarted engine is on the node that came back.
+    # The restarted engines are on the node that came back, and decode-1 (restarted: a new
+    # engine, no longer cordoned) serves again too.
     assert engine_hosts(placed) == {"prefill-0": cluster.link.ns_addr,
-                                    "decode-0": cluster.link.host_addr}
+                                    "decode-0": cluster.link.host_addr,
+                                    "decode-1": cluster.link.ns_addr}
+    routing(placed, decode=["decode-1"])
+    wait_for(lambda: placed.engines()["decode-1"]["healthy"]
+             and not placed.engines()["decode-1"]["warming"], "decode-1 up", timeout_s=120)
+    served = complete(placed, "The capital of France is", "node-back-1")
+    assert (served["route_taken"], served["decode"]) == ("disaggregated", "decode-1"), served
+    routing(placed, **ON_HEAD)
