@@ -12,13 +12,15 @@ namespace of its own, each with its own address, joined by the testbed's veth li
 - The link to the prefill engine's node is cut, silently, under streaming load: the proxy takes
   the engine out within a probe round and releases the requests waiting on it to the decode
   engine; healed, the same engine serves P/D again in seconds.
-- The prefill engine's node is lost under streaming load (every process in its namespace, the
-  raylet and the engine included, SIGKILLed at once): no request fails or hangs, the proxy marks
-  the engine down, new requests are served locally by the decode engine; the node comes back
-  (``ray start`` there again), Ray restarts the engine actors on it, and P/D resumes.
+- The worker node is lost under streaming load (every process in its namespace, the raylet, the
+  prefill engine and decode-1 included, SIGKILLed at once): no request fails or hangs, the two
+  streams decoding on decode-1 continue on decode-0 (stream migration) and end whole, the proxy
+  marks the engines down, new requests are served locally by decode-0; the node comes back
+  (``ray start`` there again), Ray restarts the engine actors on it, and P/D resumes, on both
+  decode engines.
 
-Apart from the pair test, decode-1 is cordoned (``POST /pd/admin/routing``): the load decodes on
-the head, which nothing here touches.
+Apart from the pair test and those two streams, decode-1 is cordoned (``POST
+/pd/admin/routing``): the load decodes on the head, which nothing here touches.
 
 Not issue 18's item 1 in full: the worker is not started by ``ray up`` over SSH, and it shares
 this machine's filesystem and venv. Needs root (network namespaces); under CI it fails instead of
@@ -27,6 +29,7 @@ skipping.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -41,11 +44,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from harness.greedy_streams import greedy_streams
 from harness.prompts import text_of_tokens
 from harness.routes import cache_on_prefill, costs, wait_for
 from harness.stack import Stack, start_ray
 from launch import testbed
 from launch.netns_cluster import NetnsRayCluster
+from proxy.metrics import MIGRATION_REASONS as REASONS
 from tests.e2e.test_zz_prefill_down import FALLBACK, UNAVAILABLE, sample
 
 LOST = 'pd_fallbacks_total{reason="prefill_lost"}'
@@ -309,13 +314,34 @@ def test_a_cut_link_is_routed_around_within_a_probe_round_and_heals_in_seconds(t
     assert prefill_instance(placed) == instance, "the engine was restarted: nothing to heal"
 
 
-def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nodes, placed):
+DOOMED, DOOMED_TOKENS = 2, 160
+
+
+def test_a_lost_node_is_served_around_and_serves_again_when_back(two_nodes, placed):
+    """The worker node lost under streaming load, with the prefill engine and two greedy
+    streams decoding on decode-1 there: those streams continue on decode-0 (stream migration,
+    across the loss of a node) and end whole; see the module docstring for the rest."""
     cluster = two_nodes
     assert prefill_healthy(placed)
     before = metrics(placed)
-    with streaming_load(placed) as load:
+    prompts = [text_of_tokens(40, seed=800 + i) for i in range(DOOMED)]
+    lost = 0.0
+
+    def lose() -> None:
+        """Once both streams are decoding on decode-1: new work goes to the head, and the
+        worker node is gone."""
+        nonlocal lost
+        routing(placed, **ON_HEAD)
         lost = time.monotonic()
         cluster.lose_worker()
+
+    with streaming_load(placed) as load:
+        routing(placed, prefill=["prefill-0"], decode=["decode-1"])
+        doomed = load.pool.submit(lambda: asyncio.run(greedy_streams(
+            placed.proxy_url, placed.model_name, prompts, DOOMED_TOKENS, kill=lose)))
+        wait_for(lambda: lost or doomed.done(), "the streams on decode-1 to start",
+                 timeout_s=120)
+        assert lost, doomed.result()  # (raises what the streams raised)
         wait_for(lambda: not prefill_healthy(placed), "the proxy to mark prefill down",
                  timeout_s=30)
         marked_down_s = time.monotonic() - lost
@@ -335,6 +361,16 @@ def test_a_lost_prefill_node_is_served_around_and_serves_again_when_back(two_nod
     assert_all_whole(load.everything())
     assert all(r["route"] == "local" for r in load.short if down < r["sent"] < back), load.short
     assert sample(after, UNAVAILABLE) > sample(before, UNAVAILABLE)
+    # The streams that were decoding on the lost node: continued elsewhere, one whole stream
+    # each (one id, one finish, every token counted once).
+    moved = doomed.result()
+    migrated = sum(sample(after, f'pd_migrations_total{{reason="{r}"}}')
+                   - sample(before, f'pd_migrations_total{{reason="{r}"}}') for r in REASONS)
+    print(f"streams on the lost node: {migrated:.0f} migrations; longest gap per stream (s): "
+          f"{sorted(round(max(r.gaps()), 3) for r in moved)}")
+    assert migrated >= DOOMED, migrated
+    assert [r.finish for r in moved] == ["length"] * DOOMED, moved
+    assert all(r.one_stream() and r.usage and r.usage[1] == DOOMED_TOKENS for r in moved), moved
     # The restarted engines are on the node that came back, and decode-1 (restarted: a new
     # engine, no longer cordoned) serves again too.
     assert engine_hosts(placed) == {"prefill-0": cluster.link.ns_addr,
