@@ -17,7 +17,13 @@ from pathlib import Path
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.engine_guard import deployment_key
-from launch.engines import EngineSpec, check_kv_capacity, default_dtype, detect_device
+from launch.engines import (
+    UCX_TLS_TCP,
+    EngineSpec,
+    check_kv_capacity,
+    default_dtype,
+    detect_device,
+)
 from launch.isolation import guard
 from launch.observability.setup import ObservabilityOptions, Observer
 from launch.processes import (
@@ -93,8 +99,8 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None,
     )
     if link is not None:  # prefill behind the throttled veth; KV crosses it
         prefill = replace(prefill, host=link.ns_addr, netns=link.netns,
-                          ucx_device=link.ns_device)
-        decode = replace(decode, ucx_device=link.host_device)
+                          ucx_device=link.ns_device, ucx_tls=UCX_TLS_TCP)
+        decode = replace(decode, ucx_device=link.host_device, ucx_tls=UCX_TLS_TCP)
     if opts.layout != "disaggregated":  # two engines alike: each may prefill or decode
         prefill, decode = replace(prefill, role="both"), replace(decode, role="both")
     return prefill, decode

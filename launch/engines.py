@@ -26,6 +26,15 @@ ENGINE_DEFAULTS = EngineSettings()
 Device = Literal["cpu", "cuda"]
 
 
+#: UCX transports the KV takes (``UCX_TLS``; a value in the launcher's environment wins). UCX
+#: picks per peer from the list: ``cma`` (``process_vm_readv``) reaches engines on this kernel,
+#: ``tcp`` the others (and wires ``cma`` up: it cannot stand alone). NIXL moved a same-node
+#: pair's KV 4.6x faster with it (``benchmarks/nixl_link.py``: 4.43 against 0.97 GB/s).
+UCX_TLS = "tcp,cma,self"
+#: Over the throttled-link testbed's veth: ``cma`` would bypass the link being measured.
+UCX_TLS_TCP = "tcp,self"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     role: Role
@@ -50,6 +59,8 @@ class EngineSpec:
     netns: str | None = None
     #: The interface UCX moves KV over (loopback by default for a 127.x host).
     ucx_device: str | None = None
+    #: The UCX transports (see ``UCX_TLS``).
+    ucx_tls: str = UCX_TLS
     #: Expose vLLM's dev endpoints (/reset_prefix_cache, ...): testbeds and benchmarks only.
     dev_endpoints: bool = False
     extra_args: tuple[str, ...] = ()
@@ -193,7 +204,7 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
             "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
             # Without these UCX may wait seconds on an unusable interface (STACK.md).
-            "UCX_TLS": env.get("UCX_TLS", "tcp,self"),
+            "UCX_TLS": env.get("UCX_TLS", spec.ucx_tls),
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }

@@ -64,6 +64,7 @@ class NetnsRayCluster:
         self.gcs_port = gcs_port
         self._created_link = False
         self._session = ""  # the head's Ray session directory name, once started
+        self._worker: subprocess.Popen[bytes] | None = None  # the worker node's ``ray start``
 
     @property
     def address(self) -> str:
@@ -96,10 +97,41 @@ class NetnsRayCluster:
         return self
 
     def rejoin_worker(self) -> None:
-        """Start the worker node (again): its raylet joins the head over the link."""
-        self._ray("start", f"--address={self.address}", f"--node-ip-address={self.link.ns_addr}",
-                  f"--num-cpus={self.num_cpus}", f"--resources={_offered(self.worker_resource)}",
-                  "--disable-usage-stats", netns=True)
+        """Start the worker node (again): its raylet joins the head over the link. The node runs
+        in a PID namespace of its own, as on a machine of its own: UCX's shared-memory transport
+        (``cma``) reaches only processes of one PID namespace, so KV between the nodes takes
+        the shaped link (tcp) as between two machines, and KV within a node shared memory.
+        ``ray start --block`` is the namespace's first process: when it ends, the node ends."""
+        ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+        argv = self.link.wrap(["unshare", "--pid", "--fork", "--mount-proc", ray, "start",
+                               "--block", f"--address={self.address}",
+                               f"--node-ip-address={self.link.ns_addr}",
+                               f"--num-cpus={self.num_cpus}",
+                               f"--resources={_offered(self.worker_resource)}",
+                               "--disable-usage-stats"])
+        self._reap_worker()
+        self._worker_log = open(f"/tmp/pdserve-netns-worker-{self.link.netns}.log", "ab")
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **self.auth_env)
+        self._worker = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                        stdout=self._worker_log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not any(b"raylet" in _cmdline(pid) for pid in self.worker_pids()):
+            if self._worker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the worker node did not start (exit {self._worker.poll()}; "
+                                   f"see {self._worker_log.name})")
+            time.sleep(0.2)
+
+    def _reap_worker(self) -> None:
+        """Wait for the last worker's ``ray start`` once it is gone (no zombie left behind)."""
+        worker = self._worker
+        if worker is not None:
+            try:
+                worker.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            self._worker_log.close()
+            self._worker = None
 
     def worker_pids(self) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.link.netns], capture_output=True,
@@ -143,6 +175,7 @@ class NetnsRayCluster:
                 time.sleep(0.2)
         # What `ray stop` does too: a later `ray.init()` with no address would otherwise read
         # this dead cluster's address from the file that `ray start --head` wrote, and join it.
+        self._reap_worker()
         current = Path("/tmp/ray/ray_current_cluster")
         try:
             if current.read_text().strip() == self.address:
@@ -162,6 +195,13 @@ class NetnsRayCluster:
 def _offered(resources: str) -> str:
     """A node's ``--resources``: each of the comma-separated names, 100 of it."""
     return json.dumps({r: 100 for r in resources.split(",") if r})
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _kill(pids: list[int], sig: signal.Signals) -> None:
