@@ -4,7 +4,7 @@ a network namespace of its own, joined by the testbed's veth link (``launch/test
 
 ::
 
-    root namespace                                  netns <link.netns>
+    root namespace                                  netns <link.netns>, own PID namespace
     Ray head (GCS, raylet) on link.host_addr        Ray worker raylet on link.ns_addr
     resources: {head_resource: 100}                 resources: {worker_resource: 100}
     (each a name, or several comma-separated)

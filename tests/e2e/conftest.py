@@ -29,6 +29,7 @@ def tiny_stack(tmp_path_factory) -> Stack:
         start_dev, model="tiny", log_dir=tmp_path_factory.mktemp("tiny-stack"), model_name="pdserve-tiny",
         extra=["--policy", "disaggregate", "--reprobe-s", "0", "--kv-events-base-port", "15700",
                "--kv-blocks", "512", *STAGE_DEADLINES], **TINY_PORTS,
+        env={"UCX_PROTO_INFO": "y"},  # UCX logs the transport of each operation (test_kv_transport)
     ) as stack:
         yield stack
 
