@@ -23,6 +23,9 @@ from tests.e2e.conftest import TINY_PORTS
 from transport import kv_params
 
 FALLBACK = 'pd_fallbacks_total{reason="prefill_unreachable"}'
+#: The same fallback when the engine was marked down (its exit seen by the supervisor or a
+#: probe) while the request was on its way to it: which of the two a request meets is a race.
+LOST_FALLBACK = 'pd_fallbacks_total{reason="prefill_lost"}'
 UNAVAILABLE = 'pd_decisions_total{reason="prefill_unavailable",route="local"}'
 #: The decode engine's process group when a test killed it, for the restart test to compare.
 KILLED: dict[str, int] = {}
@@ -63,7 +66,8 @@ def test_prefill_down_serves_local(tiny_stack):
                   "prompt": text_of_tokens(600, seed=77)}
     stale = prefill_handoff(tiny_stack, stale_body)
     before = httpx.get(tiny_stack.proxy_url + "/metrics", timeout=10).text
-    fallbacks_before, unavailable_before = sample(before, FALLBACK), sample(before, UNAVAILABLE)
+    fallbacks_before = sample(before, FALLBACK) + sample(before, LOST_FALLBACK)
+    unavailable_before = sample(before, UNAVAILABLE)
     os.killpg(tiny_stack.engine_pid("prefill"), signal.SIGKILL)
     body = {"model": tiny_stack.model_name, "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 4, "temperature": 0}
@@ -78,10 +82,11 @@ def test_prefill_down_serves_local(tiny_stack):
             else:
                 assert r.json()["usage"]["completion_tokens"] == 4
         metrics = client.get(tiny_stack.proxy_url + "/metrics").text
-        # Either the first request found prefill unreachable (a counted fallback) and the next
-        # skipped it, or the once-a-second health probe marked it down first and both were
-        # decided local up front: every request is accounted for either way.
-        fell_back = sample(metrics, FALLBACK) - fallbacks_before
+        # Either the first request fell back (prefill unreachable, or marked down while the
+        # request was on its way: a counted fallback) and the next skipped it, or the engine
+        # was marked down first and both were decided local up front: every request is
+        # accounted for either way.
+        fell_back = sample(metrics, FALLBACK) + sample(metrics, LOST_FALLBACK) - fallbacks_before
         decided = sample(metrics, UNAVAILABLE) - unavailable_before
         assert (fell_back, decided) in ((1, 1), (0, 2)), (fell_back, decided)
         deadline = time.monotonic() + 10
