@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 20.0
 #: The machine's pip settings a node's image carries (this sandbox's PIP_FIND_LINKS, say).
 _PIP_ENV = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CERT",
-            "PIP_DEFAULT_TIMEOUT", "PIP_DISABLE_PIP_VERSION_CHECK", "PIP_CONSTRAINT",
-            "PIP_COMPILE")
+            "PIP_DEFAULT_TIMEOUT", "PIP_DISABLE_PIP_VERSION_CHECK", "PIP_CONSTRAINT")
 
 
 class SshNode:
