@@ -57,8 +57,7 @@ class DecodeLeg:
         self.answered = False
         #: The decode engine computes the prompt: timed alone when nothing else was queued.
         self.local_was_idle = False
-        self._streaming = False
-        self._streams_at_send = 0
+        self._streaming, self._streams_at_send = False, 0
         #: No prompt work of this proxy was queued on the decode engine when the KV went there:
         #: the hand-over then times the link, not a wait behind a local prefill.
         self._kv_in_alone = False
@@ -173,6 +172,7 @@ class DecodeLeg:
             stream.close()
             self.claim.release()
             self.ended(time.perf_counter())
+        self._pull_over()
         # A whole reply has no first-token time: only its total is recorded.
         self._metrics.stage_seconds.labels("total", self.route).observe(
             time.perf_counter() - self.trace.t_start)
@@ -191,11 +191,16 @@ class DecodeLeg:
         tracker.stream_started(self, now)
         self._streaming = True
         self.trace.t_first = now
+        self._pull_over()
         if self.req.spans is not None:
             self._trace_first_byte(now)
         # (Read now: a hand-over behind a local prefill times that wait, not the link: LinkFit.)
         alone = self._kv_in_alone and self._ledger.load(self.decode.name).prompt_tokens == 0
         asyncio.get_running_loop().call_soon(self._measured, now, alone)
+
+    def _pull_over(self) -> None:  # the decode engine answered: its KV pull is over
+        if self.handoff is not None and self.plan.prefill is not None:
+            self._pool.pulled(self.plan.prefill, self.decode)
 
     def _measured(self, now: float, kv_in_alone: bool) -> None:
         """What the first bytes at ``now`` measured (``kv_in_alone``: see above)."""
@@ -262,8 +267,8 @@ class DecodeLeg:
         self.trace.run_deferred()
         if self.req.spans is not None:
             self._end_decode_span(now)  # a whole reply, or no first byte
-            if self.trace.t_first:
-                self.req.spans.stage("relay", self.trace.t_first, now, engine=self.decode.name,
+            if t_first := self.trace.t_first:
+                self.req.spans.stage("relay", t_first, now, engine=self.decode.name,
                                      route=self.route)
             else:
                 self.req.spans.annotate(route=self.route, decode=self.decode.name)
@@ -275,15 +280,14 @@ class DecodeLeg:
         decode reads them: read them (one token) in the background, on the same engine (another
         could read them while this one, resumed, reads them too: its prefix cache would then
         hold blocks the prefill has reused), for as long as the hand-off can still be read."""
-        body, client, request_id = release_body(self.body), self.decode.client, self.req.request_id
+        body, client, rid = release_body(self.body), self.decode.client, self.req.request_id
         timeout_s = max(self.read_by - time.time(), 1.0)
 
         async def run() -> None:
             try:
-                await client.post_json(self.req.path, body, {"x-request-id": request_id},
-                                       timeout_s)
+                await client.post_json(self.req.path, body, {"x-request-id": rid}, timeout_s)
             except Exception as exc:  # noqa: BLE001 - best effort; the lease frees them later
-                log.warning("could not release prefill blocks of %s: %s", request_id, exc)
+                log.warning("could not release prefill blocks of %s: %s", rid, exc)
 
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)

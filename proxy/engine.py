@@ -43,6 +43,8 @@ class Engine:
     #: KV pulls its NIXL reported failed since the proxy first read it (it then recomputed).
     kv_pull_failures: int = 0
     _nixl_failed: float | None = None  # the engine's own total at the last probe
+    #: Held while its metrics are read (``EnginePool.look``): one reading at a time, in order.
+    looking: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     #: Scale-down in progress: serves what it has, is picked for nothing new.
     draining: bool = False
     #: The streams being relayed from it now (``proxy/relay.py``): what a scale-down past its

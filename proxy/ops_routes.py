@@ -8,6 +8,7 @@ one auth check and turns a ``ProxyError`` into its error body.
 from __future__ import annotations
 
 import json
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -38,6 +39,7 @@ async def costs(request: Request, service: ProxyService) -> Response:
                  "kv_pull_failures": e.kv_pull_failures,
                  "cached_blocks": len(e.index), "block_size": e.index.block_size}
         for e in service.pool.all()}
+    view["pairs_routed_around"] = service.pool.pair_health.routed_around(time.monotonic())
     return json_response(view)
 
 

@@ -11,6 +11,8 @@ prefilled elsewhere and when each is due to start decoding (``Ledger.exposure``)
 request's latency targets. Where engines serve both roles and the request has targets, the
 policy is asked about each engine as the decode engine, and ``proxy/pair_choice.py`` picks
 the pair.
+A prefill engine whose KV the decode engine has been failing to pull is not picked for it
+(``proxy/pair_health.py``); with none left, the request goes local (reason ``kv_pulls_failing``).
 The pool remembers the picks (ties rotate), so picking is the one side effect.
 """
 
@@ -71,7 +73,13 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         return load(e) + tokens - cached(e)
 
     def decided(decode: Engine, prefill: Engine | None) -> Decision:
-        return decide(policy, route_inputs(costs, decode, prefill, tokens, cached, targets, now))
+        decision = decide(policy, route_inputs(costs, decode, prefill, tokens, cached, targets,
+                                               now))
+        if decision.reason == "prefill_unavailable" and any(
+                e is not decode for e in pool.usable("prefill")):
+            # Prefill engines are up, but decode has been failing to pull their KV.
+            decision = replace(decision, reason="kv_pulls_failing")
+        return decision
 
     if decode is None and prefill is None and _picks_pairs(pool, policy, targets):
         usable = pool.usable("decode")

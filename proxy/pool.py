@@ -9,7 +9,7 @@ ago (so requests that finish before the next arrives still spread over every eng
 Membership is fixed (dev mode: the urls in the config) or reconciled from a directory
 (:meth:`EnginePool.reconcile`, Ray mode): new engines join unhealthy until probed, an engine
 whose url changed (restarted elsewhere) is replaced, and a vanished one leaves. Draining engines
-finish what they have but get nothing new (scale-down).
+finish what they have but get nothing new (scale-down: ``proxy/scale_down.py``).
 
 An engine's ``role`` is what it can do: ``prefill`` (a KV producer), ``decode`` (a consumer,
 which also computes prompts itself on the local route) or ``both`` (vLLM's ``kv_both``: either,
@@ -23,12 +23,15 @@ time, which may also cordon an engine of a fixed role: no duty, nothing new). ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
+from proxy.pair_health import PairHealth
 from transport.kv_events import AllCleared
 
 __all__ = ["BOTH", "Duty", "EndpointInfo", "Engine", "EnginePool", "Role"]
@@ -64,6 +67,9 @@ class EnginePool:
         self._metrics = metrics
         self._health_timeout_s = health_timeout_s
         self._picks = 0
+        #: Pairs whose KV pulls fail are left out of the prefill picks (``proxy/pair_health.py``).
+        self.pair_health = PairHealth()
+        self._looks: set[asyncio.Task] = set()
         #: Called when an engine comes up (first probe, after a restart, a new one joined).
         self.on_up: Callable[[Engine], None] | None = None
 
@@ -140,38 +146,11 @@ class EnginePool:
                      "joined" if e in added else "left", e.client.base_url)
         return added, removed
 
-    def drain(self, names: Sequence[str]) -> None:
-        for e in self.all():
-            if e.name in names:
-                e.draining = True
-
-    async def wait_idle(self, names: Sequence[str], timeout_s: float) -> bool:
-        """Wait until none of ``names`` has a request of this proxy in flight."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while any(e.inflight for e in self.all() if e.name in names):
-            if loop.time() > deadline:
-                return False
-            await asyncio.sleep(0.1)
-        return True
-
-    def evacuate(self, names: Sequence[str]) -> int:
-        """Cut the streams relayed from ``names`` (draining engines past their timeout): each
-        relay sees its engine lost and the stream continues on another (stream migration).
-        Returns how many were cut."""
-        cut = 0
-        for e in self.all():
-            if e.name in names:
-                for stream in list(e.open_streams):
-                    stream.close()
-                    cut += 1
-        return cut
-
     def pick_prefill(self, cost: Callable[[Engine], float] = _no_cost,
                      exclude: Engine | None = None) -> Engine | None:
-        """The cheapest engine to prefill for ``exclude`` (the decode engine: never itself)."""
-        return self.picked(
-            _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill"), "prefill")
+        """The cheapest engine to prefill for ``exclude`` (the decode engine: never itself, nor
+        an engine whose KV it has been failing to pull)."""
+        return self.picked(self.cheapest_prefill(cost, exclude), "prefill")
 
     def pick_decode(self, cost: Callable[[Engine], float] = _no_cost,
                     exclude: str | None = None) -> Engine | None:
@@ -185,9 +164,17 @@ class EnginePool:
         engines = self.decode if duty == "decode" else self.prefill
         return [e for e in engines if e.healthy and not e.draining]
 
-    def cheapest_prefill(self, cost: Callable[[Engine], float], exclude: Engine) -> Engine | None:
+    def cheapest_prefill(self, cost: Callable[[Engine], float], exclude: Engine | None
+                         ) -> Engine | None:
         """``pick_prefill``'s engine, not recorded as picked."""
-        return _cheapest([e for e in self.prefill if e is not exclude], cost, "prefill")
+        return _cheapest(self.prefill_for(exclude), cost, "prefill")
+
+    def prefill_for(self, decode: Engine | None) -> list[Engine]:
+        """The engines that may prefill for ``decode``: not itself, and not one whose pair with
+        it is routed around (its pulls failed; ``proxy/pair_health.py``)."""
+        now, health = time.monotonic(), self.pair_health
+        return [e for e in self.prefill if e is not decode and (
+            decode is None or health.usable(e.name, decode.name, now))]
 
     def picked(self, engine: Engine | None, duty: str) -> Engine | None:
         """Record ``engine`` as picked for ``duty`` (ties rotate by the oldest pick)."""
@@ -213,6 +200,7 @@ class EnginePool:
         came_up = healthy and not engine.healthy
         if came_up:
             log.info("engine %s (%s) is up", engine.name, engine.role)
+            self.pair_health.forget(engine.name)
         if engine.healthy and not healthy:
             self._release(engine)
         engine.healthy = healthy
@@ -232,21 +220,45 @@ class EnginePool:
             for stream in list(engine.open_streams):
                 stream.close()
 
+    async def look(self, engine: Engine) -> None:
+        """Read the engine's own metrics: its load (running + waiting requests), and the KV
+        pulls that failed since the last look, laid on its pairs (``proxy/pair_health.py``).
+        One look at a time per engine, each with the hand-overs taken before it."""
+        async with engine.looking:
+            handovers = self.pair_health.take(engine.name)
+            status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
+            if status != 200:
+                return
+            failed = engine.update_load(text)
+            if engine.can("decode"):  # its series, 0 until one fails
+                self._metrics.kv_pull_failures_total.labels(engine.name).inc(failed)
+                self.pair_health.looked(engine.name, handovers, failed, time.monotonic())
+            if failed:
+                log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts "
+                            "itself; its vLLM log says why (e.g. 'NIXL compatibility hash "
+                            "mismatch': engines built from different vLLM, model path or "
+                            "dtype)", engine.name, failed)
+
+    def pulled(self, prefill: Engine, decode: Engine) -> None:
+        """``decode`` is done with a hand-over from ``prefill``: its pull is over, failed or not
+        (its own count tells: ``proxy/pair_health.py``). A watched engine is looked at now (a
+        read that fails is the next probe's to judge)."""
+        self.pair_health.pulled(prefill.name, decode.name)
+        if self.pair_health.watching(decode.name, time.monotonic()):
+            async def look() -> None:
+                with contextlib.suppress(EngineUnreachable, EngineTimeout):
+                    await self.look(decode)
+            task = asyncio.get_running_loop().create_task(look())
+            self._looks.add(task)
+            task.add_done_callback(self._looks.discard)
+
     async def probe(self, engine: Engine) -> bool:
-        """Health check, then the engine's own load (running + waiting requests)."""
+        """Health check, then a look at the engine's own metrics."""
         try:
             status, _ = await engine.client.get_text("/health", self._health_timeout_s)
             ok = status == 200
             if ok:
-                status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
-                failed = engine.update_load(text) if status == 200 else 0
-                if status == 200 and engine.can("decode"):  # its series, 0 until one fails
-                    self._metrics.kv_pull_failures_total.labels(engine.name).inc(failed)
-                if failed:
-                    log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts "
-                                "itself; its vLLM log says why (e.g. 'NIXL compatibility hash "
-                                "mismatch': engines built from different vLLM, model path or "
-                                "dtype)", engine.name, failed)
+                await self.look(engine)
         except EngineUnreachable:
             ok = False
         except EngineTimeout:

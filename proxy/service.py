@@ -30,6 +30,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
+from proxy.scale_down import drain
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_engine, warm_up_pairs
 
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
     from proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
-#: After a drain timed out and its streams were cut, how long their continuations may take to
-#: leave the engine (their relays end at once; a whole reply being read ends with its engine).
-_EVACUATE_S = 5.0
 
 
 class ProxyService:
@@ -172,13 +170,7 @@ class ProxyService:
                 added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
             elif replicas < len(names):
                 removed = names[replicas:]
-                self.pool.drain(removed)
-                drained = await self.pool.wait_idle(removed, drain_timeout_s)
-                if not drained:  # past the timeout: their streams continue elsewhere first
-                    cut = self.pool.evacuate(removed)
-                    log.warning("drain of %s timed out: %d streams moved to other engines",
-                                ", ".join(removed), cut)
-                    await self.pool.wait_idle(removed, _EVACUATE_S)
+                drained = await drain(self.pool, removed, drain_timeout_s)
                 await self.scaler.remove(removed)
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,

@@ -1,0 +1,196 @@
+"""A prefill -> decode pair whose KV pulls fail is routed around (``proxy/pair_health.py``):
+the rule that lays a decode engine's failed pulls on its pairs, the backoff, and the picks
+through the pool and the plan. The real pair (a prefill engine the decode engine's NIXL
+refuses) is ``tests/e2e/test_pair_routed_around.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from proxy.metrics import ProxyMetrics
+from proxy.pair_health import PairHealth, blame
+from proxy.pool import EnginePool
+from tests.proxy.test_kv_pull_failures import MetricsClient
+from tests.proxy.test_routing import Named, request, setup
+
+
+@pytest.mark.parametrize("handovers, failed, blamed", [
+    ({}, 0, set()),
+    ({}, 2, set()),  # failures with no hand-over in the window: nobody to blame
+    ({"p0": 3}, 0, set()),
+    ({"p0": 3}, 3, {"p0"}),
+    ({"p0": 3}, 1, {"p0"}),  # one pair in the window: whatever failed was its
+    ({"p0": 1}, 1, {"p0"}),
+    ({"p0": 2}, 5, {"p0"}),  # a count that lagged the look before
+    ({"p0": 2, "p1": 1}, 3, {"p0", "p1"}),  # all failed
+    ({"p0": 2, "p1": 3}, 3, {"p1"}),  # exactly p1's: its pulls failed, p0's did not
+    ({"p0": 2, "p1": 3}, 2, {"p0"}),
+    ({"p0": 3, "p1": 3}, 3, set()),  # either one: cannot tell
+    ({"p0": 2, "p1": 3}, 1, set()),  # some of someone's: cannot tell
+    ({"p0": 0, "p1": 2}, 2, {"p1"}),
+    ({"p0": 0, "p1": 2}, 1, set()),
+])
+def test_blame(handovers, failed, blamed):
+    assert blame(handovers, failed) == blamed
+
+
+def look(health: PairHealth, failed: int, now: float) -> frozenset[str]:
+    """A look at d0 finding ``failed`` new failed pulls."""
+    return health.looked("d0", health.take("d0"), failed, now)
+
+
+def test_a_blamed_pair_is_left_out_for_a_doubling_backoff_and_cleared_by_clean_pulls():
+    health = PairHealth(backoff_s=10.0, max_backoff_s=25.0)
+    health.pulled("p0", "d0")
+    health.pulled("p1", "d0")
+    health.pulled("p1", "d0")
+    assert look(health, 2, now=100.0) == {"p1"}
+    assert not health.usable("p1", "d0", 109.9) and health.usable("p1", "d0", 110.0)
+    assert health.usable("p0", "d0", 100.0) and health.usable("p1", "d1", 100.0)
+    assert health.routed_around(105.0) == [
+        {"prefill": "p1", "decode": "d0", "for_s": 5.0, "times_blamed": 1}]
+    # Tried again after the backoff, and failing again: twice as long, then capped.
+    health.pulled("p1", "d0")
+    assert look(health, 1, now=110.0) == {"p1"}
+    assert not health.usable("p1", "d0", 129.9) and health.usable("p1", "d0", 130.0)
+    health.pulled("p1", "d0")
+    look(health, 1, now=130.0)
+    assert not health.usable("p1", "d0", 154.9) and health.usable("p1", "d0", 155.0)
+    # A look with its hand-overs and no failure starts the pair afresh: the next failure costs
+    # the first backoff again.
+    health.pulled("p1", "d0")
+    assert look(health, 0, now=160.0) == frozenset()
+    health.pulled("p1", "d0")
+    look(health, 1, now=170.0)
+    assert not health.usable("p1", "d0", 179.9) and health.usable("p1", "d0", 180.0)
+
+
+def test_a_look_that_cannot_tell_neither_blames_nor_clears():
+    health = PairHealth(backoff_s=10.0)
+    health.pulled("p1", "d0")
+    look(health, 1, now=0.0)  # p1 blamed: next backoff 20 s
+    for p in ("p0", "p0", "p1", "p1"):
+        health.pulled(p, "d0")
+    assert not health.watching("d0", 10.0)
+    assert look(health, 2, now=10.0) == frozenset()  # p0's or p1's: unknown
+    assert health.watching("d0", 10.0) and not health.watching("d1", 10.0)
+    assert not health.watching("d0", 40.0)  # (for 30 s)
+    health.pulled("p1", "d0")
+    look(health, 1, now=10.0)
+    assert not health.usable("p1", "d0", 29.9)  # the backoff kept doubling
+
+
+def test_an_engine_that_comes_up_starts_with_clean_pairs_and_no_window():
+    health = PairHealth(backoff_s=10.0)
+    health.pulled("p1", "d0")
+    look(health, 1, now=0.0)
+    health.pulled("p1", "d0")  # taken before the restart: not the new engine's
+    health.forget("p1")
+    assert health.usable("p1", "d0", 0.0) and health.routed_around(0.0) == []
+    assert look(health, 1, now=1.0) == frozenset()
+
+
+def pool_with_failing_pair() -> tuple[EnginePool, MetricsClient]:
+    client = MetricsClient("d0")
+    pool = EnginePool([Named("p0"), Named("p1")], [client], ProxyMetrics())
+    for e in pool.all():
+        e.healthy = True
+    return pool, client
+
+
+async def test_the_probe_blames_and_the_picks_route_around_the_pair():
+    pool, client = pool_with_failing_pair()
+    decode = pool.get("d0")
+    await pool.probe(decode)  # the baseline
+    for p in ("p0", "p1", "p1"):
+        pool.pair_health.pulled(p, "d0")
+    client.failed = 2
+    await pool.probe(decode)
+    assert [pool.pick_prefill(exclude=decode).name for _ in range(4)] == ["p0"] * 4
+    assert pool.pick_prefill(exclude=None).name in ("p0", "p1")  # no decode engine named
+
+
+async def test_the_pair_is_tried_again_after_its_backoff():
+    pool, client = pool_with_failing_pair()
+    pool.pair_health = PairHealth(backoff_s=0.05)
+    decode = pool.get("d0")
+    await pool.probe(decode)
+    pool.pair_health.pulled("p1", "d0")
+    client.failed = 1
+    await pool.probe(decode)
+    assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0"}
+    await asyncio.sleep(0.1)
+    assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0", "p1"}
+
+
+async def test_an_engine_coming_back_up_is_picked_again_at_once():
+    pool, client = pool_with_failing_pair()
+    decode = pool.get("d0")
+    await pool.probe(decode)
+    pool.pair_health.pulled("p1", "d0")
+    client.failed = 1
+    await pool.probe(decode)
+    pool.mark_down(pool.get("p1"))
+    pool._set_health(pool.get("p1"), True)  # (what a good probe does: a restart came up)
+    assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0", "p1"}
+
+
+async def test_with_every_pair_failing_the_request_goes_local_and_says_why():
+    pool, _, orch = setup(prefills=("p0",), decodes=("d0",))
+    orch.pool.pair_health.pulled("p0", "d0")
+    look(orch.pool.pair_health, 1, now=time.monotonic())
+    plan = await orch.plan(request())
+    assert plan.prefill is None and plan.decision.route == "local"
+    assert plan.decision.reason == "kv_pulls_failing"
+    pool.get("p0").healthy = False  # no prefill engine up at all: the usual reason
+    assert (await orch.plan(request())).decision.reason == "prefill_unavailable"
+
+
+async def test_a_watched_engine_is_looked_at_after_each_hand_over_until_the_pair_is_found():
+    """Round robin over two prefill engines puts as many hand-overs of each in every probe's
+    window: the probes alone could never tell which pair fails. Watched, the engine is read
+    after each hand-over, and the first look with the failing pair's hand-over alone finds it."""
+    pool, client = pool_with_failing_pair()
+    decode, p0, p1 = pool.get("d0"), pool.get("p0"), pool.get("p1")
+    reads = []
+    get_text = client.get_text
+
+    async def counted(path, timeout_s):
+        reads.append(path)
+        return await get_text(path, timeout_s)
+
+    client.get_text = counted
+    await pool.probe(decode)
+    for p in (p0, p1):
+        pool.pulled(p, decode)
+    client.failed += 1  # p1's
+    await pool.probe(decode)
+    assert pool.pair_health.routed_around(time.monotonic()) == []  # one of two: unknown
+    reads.clear()
+    pool.pulled(p0, decode)
+    await asyncio.sleep(0.01)  # (the look runs on the loop)
+    assert reads == ["/metrics"]
+    client.failed += 1
+    pool.pulled(p1, decode)
+    await asyncio.sleep(0.01)
+    assert [r["prefill"] for r in pool.pair_health.routed_around(time.monotonic())] == ["p1"]
+    assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0"}
+
+
+async def test_an_engine_not_watched_is_read_only_by_its_probes():
+    pool, client = pool_with_failing_pair()
+    decode = pool.get("d0")
+    reads = []
+    get_text = client.get_text
+
+    async def counted(path, timeout_s):
+        reads.append(path)
+        return await get_text(path, timeout_s)
+
+    client.get_text = counted
+    pool.pulled(pool.get("p0"), decode)
+    await asyncio.sleep(0.01)
+    assert reads == []
