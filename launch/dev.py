@@ -18,10 +18,10 @@ from pathlib import Path
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.engine_guard import deployment_key
 from launch.engines import (
-    UCX_TLS_TCP,
     EngineSpec,
     check_kv_capacity,
     default_dtype,
+    default_ucx_tls,
     detect_device,
 )
 from launch.isolation import guard
@@ -98,9 +98,10 @@ def engine_specs(opts: DevOptions, link: ThrottledLink | None = None,
         cpu_cores="1" if cores else None,
     )
     if link is not None:  # prefill behind the throttled veth; KV crosses it
+        tcp = default_ucx_tls(device, tcp_only=True)
         prefill = replace(prefill, host=link.ns_addr, netns=link.netns,
-                          ucx_device=link.ns_device, ucx_tls=UCX_TLS_TCP)
-        decode = replace(decode, ucx_device=link.host_device, ucx_tls=UCX_TLS_TCP)
+                          ucx_device=link.ns_device, ucx_tls=tcp)
+        decode = replace(decode, ucx_device=link.host_device, ucx_tls=tcp)
     if opts.layout != "disaggregated":  # two engines alike: each may prefill or decode
         prefill, decode = replace(prefill, role="both"), replace(decode, role="both")
     return prefill, decode

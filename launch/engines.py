@@ -33,6 +33,32 @@ Device = Literal["cpu", "cuda"]
 UCX_TLS = "tcp,cma,self"
 #: Over the throttled-link testbed's veth: ``cma`` would bypass the link being measured.
 UCX_TLS_TCP = "tcp,self"
+#: A GPU's KV is device memory, which no host transport above can read. There UCX keeps its
+#: own default, every transport (``cuda_ipc`` between GPUs of one node, RDMA where the node has
+#: it, ``tcp`` staged through ``cuda_copy`` otherwise), as vLLM's NIXL guide sets it. Reasoned
+#: from UCX's transports; this machine has no GPU to run it.
+UCX_TLS_GPU = "all"
+UCX_TLS_GPU_TCP = "tcp,cuda_copy,self"
+#: Where a node lists its RDMA ports (``mlx5_0`` port 1 is UCX's ``mlx5_0:1``).
+RDMA_SYSFS = "/sys/class/infiniband"
+
+
+def default_ucx_tls(device: Device, tcp_only: bool = False) -> str:
+    """The UCX transports an engine on ``device`` takes (``tcp_only``: over a link being
+    measured, nothing that bypasses it)."""
+    if device == "cuda":
+        return UCX_TLS_GPU_TCP if tcp_only else UCX_TLS_GPU
+    return UCX_TLS_TCP if tcp_only else UCX_TLS
+
+
+def rdma_ports(root: str | None = None) -> list[str]:
+    """This node's RDMA ports, as UCX names them (``mlx5_0:1``); none without RDMA."""
+    root = root or RDMA_SYSFS
+    try:
+        return [f"{dev}:{port}" for dev in sorted(os.listdir(root))
+                for port in sorted(os.listdir(os.path.join(root, dev, "ports")))]
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True)
@@ -59,8 +85,8 @@ class EngineSpec:
     netns: str | None = None
     #: The interface UCX moves KV over (loopback by default for a 127.x host).
     ucx_device: str | None = None
-    #: The UCX transports (see ``UCX_TLS``).
-    ucx_tls: str = UCX_TLS
+    #: The UCX transports; None: the device's (``default_ucx_tls``).
+    ucx_tls: str | None = None
     #: Expose vLLM's dev endpoints (/reset_prefix_cache, ...): testbeds and benchmarks only.
     dev_endpoints: bool = False
     extra_args: tuple[str, ...] = ()
@@ -204,7 +230,7 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
             "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
             # Without these UCX may wait seconds on an unusable interface (STACK.md).
-            "UCX_TLS": env.get("UCX_TLS", spec.ucx_tls),
+            "UCX_TLS": env.get("UCX_TLS", spec.ucx_tls or default_ucx_tls(spec.device)),
             "PYTHONUNBUFFERED": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
@@ -212,7 +238,9 @@ def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str
     if os.path.isdir(spec.model):  # a local model never needs the hub
         env.setdefault("HF_HUB_OFFLINE", "1")
     if spec.ucx_device is not None:
-        env["UCX_NET_DEVICES"] = spec.ucx_device
+        # On a GPU, UCX may take RDMA: naming only the node's IP interface would shut it out.
+        rdma = rdma_ports() if spec.device == "cuda" and env["UCX_TLS"] == UCX_TLS_GPU else []
+        env["UCX_NET_DEVICES"] = ",".join([spec.ucx_device, *rdma])
     elif spec.loopback:
         env.setdefault("UCX_NET_DEVICES", "lo")
     if spec.dev_endpoints:
