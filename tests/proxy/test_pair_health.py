@@ -149,20 +149,26 @@ async def test_with_every_pair_failing_the_request_goes_local_and_says_why():
     assert (await orch.plan(request())).decision.reason == "prefill_unavailable"
 
 
+def record_reads(client: MetricsClient) -> list[str]:
+    """The paths the pool reads from ``client`` from now on."""
+    reads: list[str] = []
+    get_text = client.get_text
+
+    async def recorded(path, timeout_s):
+        reads.append(path)
+        return await get_text(path, timeout_s)
+
+    client.get_text = recorded  # type: ignore[method-assign]
+    return reads
+
+
 async def test_a_watched_engine_is_looked_at_after_each_hand_over_until_the_pair_is_found():
     """Round robin over two prefill engines puts as many hand-overs of each in every probe's
     window: the probes alone could never tell which pair fails. Watched, the engine is read
     after each hand-over, and the first look with the failing pair's hand-over alone finds it."""
     pool, client = pool_with_failing_pair()
     decode, p0, p1 = pool.get("d0"), pool.get("p0"), pool.get("p1")
-    reads = []
-    get_text = client.get_text
-
-    async def counted(path, timeout_s):
-        reads.append(path)
-        return await get_text(path, timeout_s)
-
-    client.get_text = counted
+    reads = record_reads(client)
     await pool.probe(decode)
     for p in (p0, p1):
         pool.pulled(p, decode)
@@ -183,14 +189,7 @@ async def test_a_watched_engine_is_looked_at_after_each_hand_over_until_the_pair
 async def test_an_engine_not_watched_is_read_only_by_its_probes():
     pool, client = pool_with_failing_pair()
     decode = pool.get("d0")
-    reads = []
-    get_text = client.get_text
-
-    async def counted(path, timeout_s):
-        reads.append(path)
-        return await get_text(path, timeout_s)
-
-    client.get_text = counted
+    reads = record_reads(client)
     pool.pulled(pool.get("p0"), decode)
     await asyncio.sleep(0.01)
     assert reads == []
