@@ -73,3 +73,33 @@ def test_cli_rejects_bad_input_clearly(tmp_path):
     out = _pdserve("plan", "--model", str(tmp_path / "nope"), "--prefill-rate", "1")
     assert out.returncode == 2 and "no model config" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("link, fixed_ms, rate", [
+    ("1", 5.0, 1_000.0), ("0.1", 50.0, 150.0), ("0.3", 30.0, 500.0), ("10", 1.0, 15_000.0)])
+def test_the_proxy_flips_its_route_at_the_crossover_plan_predicts(link, fixed_ms, rate):
+    """Issue 18, item 4: `pdserve plan`'s crossover for a link is where the proxy's `auto`
+    policy, given the same link and prefill models, flips from recomputing to moving the KV
+    (the prompt cached on the prefill engine, as the planner assumes). On real engines across
+    two shaped nodes: `benchmarks/README.md`, load_or_recompute --two-nodes."""
+    from proxy.policy import decide
+    from proxy.policy_mode import parse_policy
+    from proxy.route_inputs import CostInputs, RouteInputs
+    from transport.cost import LinkModel, PrefillModel
+
+    preset = resolve_link(link, fixed_ms)
+    p = plan_link(SMOLLM2_FP32, rate, preset)
+    assert p.crossover_tokens is not None and p.crossover_tokens > 1
+    costs = CostInputs(
+        kv_bytes_per_token=SMOLLM2_FP32,
+        remote_prefill=PrefillModel(fixed_s=0.0, tokens_per_s=math.inf),
+        local_prefill=PrefillModel(fixed_s=0.0, tokens_per_s=rate),
+        link=LinkModel(fixed_s=preset.fixed_ms / 1e3, bytes_per_s=preset.gbit_per_s * 1e9 / 8))
+
+    def route(n: int) -> str:
+        inputs = RouteInputs(prompt_tokens=n, prefill_cached_tokens=n, costs=costs)
+        return decide(parse_policy("auto"), inputs).route
+
+    n = p.crossover_tokens
+    assert (route(n - 1), route(n)) == ("local", "disaggregated")
+    assert route(n // 2) == "local" and route(2 * n) == "disaggregated"
