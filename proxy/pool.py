@@ -70,6 +70,7 @@ class EnginePool:
         #: Pairs whose KV pulls fail are left out of the prefill picks (``proxy/pair_health.py``).
         self.pair_health = PairHealth()
         self._looks: set[asyncio.Task] = set()
+        self._waiting: set[str] = set()  # engines with a look waiting for its turn
         #: Called when an engine comes up (first probe, after a restart, a new one joined).
         self.on_up: Callable[[Engine], None] | None = None
 
@@ -225,6 +226,7 @@ class EnginePool:
         pulls that failed since the last look, laid on its pairs (``proxy/pair_health.py``).
         One look at a time per engine, each with the hand-overs taken before it."""
         async with engine.looking:
+            self._waiting.discard(engine.name)
             handovers = self.pair_health.take(engine.name)
             status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
             if status != 200:
@@ -240,17 +242,19 @@ class EnginePool:
                             "dtype)", engine.name, failed)
 
     def pulled(self, prefill: Engine, decode: Engine) -> None:
-        """``decode`` is done with a hand-over from ``prefill``: its pull is over, failed or not
-        (its own count tells: ``proxy/pair_health.py``). A watched engine is looked at now (a
-        read that fails is the next probe's to judge)."""
+        """``decode`` is done with a hand-over from ``prefill`` (its pull failed or not: its own
+        count tells, ``proxy/pair_health.py``). A watched engine is looked at now."""
         self.pair_health.pulled(prefill.name, decode.name)
-        if self.pair_health.watching(decode.name, time.monotonic()):
-            async def look() -> None:
-                with contextlib.suppress(EngineUnreachable, EngineTimeout):
-                    await self.look(decode)
-            task = asyncio.get_running_loop().create_task(look())
+        if (self.pair_health.watching(decode.name, time.monotonic())
+                and decode.name not in self._waiting):  # one waiting look takes them all
+            self._waiting.add(decode.name)
+            task = asyncio.get_running_loop().create_task(self._look_quietly(decode))
             self._looks.add(task)
             task.add_done_callback(self._looks.discard)
+
+    async def _look_quietly(self, engine: Engine) -> None:  # failed: the next probe's to judge
+        with contextlib.suppress(EngineUnreachable, EngineTimeout):
+            await self.look(engine)
 
     async def probe(self, engine: Engine) -> bool:
         """Health check, then a look at the engine's own metrics."""

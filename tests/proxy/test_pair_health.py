@@ -193,3 +193,30 @@ async def test_an_engine_not_watched_is_read_only_by_its_probes():
     pool.pulled(pool.get("p0"), decode)
     await asyncio.sleep(0.01)
     assert reads == []
+
+
+async def test_a_burst_of_hand_overs_to_a_watched_engine_waits_for_one_look_not_one_each():
+    """Read after every hand-over, a busy engine would serve a /metrics read per request: a
+    look waiting for its turn takes every hand-over made before it starts."""
+    pool, client = pool_with_failing_pair()
+    decode, p0, p1 = pool.get("d0"), pool.get("p0"), pool.get("p1")
+    await pool.probe(decode)
+    for p in (p0, p1):
+        pool.pulled(p, decode)
+    client.failed += 1
+    await pool.probe(decode)  # one of two: the engine is watched now
+    reads = record_reads(client)
+    release = asyncio.Event()
+    read = client.get_text
+
+    async def slow(path, timeout_s):
+        await release.wait()
+        return await read(path, timeout_s)
+
+    client.get_text = slow  # type: ignore[method-assign]
+    for _ in range(10):
+        pool.pulled(p0, decode)
+        await asyncio.sleep(0)
+    release.set()
+    await asyncio.sleep(0.05)
+    assert 1 <= len(reads) <= 2  # the one under way, and at most one that waited
