@@ -6,8 +6,10 @@ Per arm (a ``UCX_TLS`` value) and round, shuffled so the arms interleave:
 - **nixl**: two fresh processes with the arm's environment. The target registers ``--mib`` MiB of
   host memory cut into ``--block-kib`` KiB descriptors (vLLM's NIXL reads are many block-sized
   descriptors, not one buffer); the initiator READs all of them ``--reps`` times, each transfer
-  timed from post to DONE. Its agents get the progress-thread delay pdserve's engines use
-  (``transport/nixl_cpu.py``), so the transport is measured as the engines run it.
+  timed from post to DONE, its state checked in a busy loop or every ``--poll-us`` (a vLLM
+  engine checks once a step: on two cores a busy loop takes the transfer's CPU). Its agents
+  get the progress-thread delay pdserve's engines use (``transport/nixl_cpu.py``), so the
+  transport is measured as the engines run it.
 - **ucx**: ``ucx_perftest -t ucp_get`` of the same total size, server and client with the same
   environment (the ``ucx_perftest`` of the ``libucx-cu12`` wheel: ``pip install libucx-cu12``;
   without it this arm is left out and the output says so).
@@ -40,6 +42,7 @@ DEFAULT_TLS = ("tcp,self", "tcp,cma,self", "cma,self")
 #: The delay pdserve's engines give NIXL's progress thread (transport/nixl_cpu.py, launch).
 PROGRESS_DELAY_US = 1000
 DELAY_ENV = "PDSERVE_BENCH_NIXL_DELAY_US"  # parent -> role processes (--progress-delay-us)
+POLL_ENV = "PDSERVE_BENCH_NIXL_POLL_US"  # parent -> initiator (--poll-us)
 READY_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 300.0
 
@@ -100,6 +103,7 @@ def run_initiator(workdir: Path, mib: int, block_kib: int, reps: int) -> None:
     remote_name = agent.add_remote_agent((workdir / "meta.bin").read_bytes())
     remote = agent.deserialize_descs((workdir / "descs.bin").read_bytes())
     handle = agent.initialize_xfer("READ", local, remote, remote_name)
+    poll_s = int(os.environ.get(POLL_ENV, "0")) / 1e6  # between state checks; 0: busy
     seconds = []
     try:
         for i in range(reps + 1):
@@ -108,6 +112,8 @@ def run_initiator(workdir: Path, mib: int, block_kib: int, reps: int) -> None:
             while state == "PROC":
                 if time.perf_counter() - t0 > RUN_TIMEOUT_S:
                     raise SystemExit("a transfer did not finish")
+                if poll_s:
+                    time.sleep(poll_s)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise SystemExit(f"transfer failed: {state}")
@@ -124,20 +130,21 @@ def run_initiator(workdir: Path, mib: int, block_kib: int, reps: int) -> None:
 # --- the benchmark ----------------------------------------------------------------------------
 
 
-def arm_env(tls: str, delay_us: int = PROGRESS_DELAY_US) -> dict[str, str]:
+def arm_env(tls: str, delay_us: int = PROGRESS_DELAY_US, poll_us: int = 0) -> dict[str, str]:
     env = dict(os.environ, UCX_TLS=tls, UCX_NET_DEVICES="lo")
-    env[DELAY_ENV] = str(delay_us)
+    env[DELAY_ENV], env[POLL_ENV] = str(delay_us), str(poll_us)
     env.pop("UCX_LOG_LEVEL", None)
     return env
 
 
-def nixl_rates(tls: str, mib: int, block_kib: int, reps: int, delay_us: int) -> list[float]:
+def nixl_rates(tls: str, mib: int, block_kib: int, reps: int, delay_us: int,
+               poll_us: int = 0) -> list[float]:
     """GB/s of each timed NIXL READ, or raises RuntimeError with the processes' error."""
     with tempfile.TemporaryDirectory(prefix="pdserve-nixl-link-") as tmp:
         workdir = Path(tmp)
         me = [sys.executable, "-m", "benchmarks.nixl_link", "--workdir", tmp, "--mib", str(mib),
               "--block-kib", str(block_kib)]
-        env = arm_env(tls, delay_us)
+        env = arm_env(tls, delay_us, poll_us)
         target = subprocess.Popen([*me, "--role", "target"], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
@@ -237,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 if side == "nixl":
                     got = nixl_rates(tls, args.mib, args.block_kib, args.reps,
-                                     args.progress_delay_us)
+                                     args.progress_delay_us, args.poll_us)
                 else:
                     port += 1
                     assert binary is not None
@@ -302,6 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--progress-delay-us", type=int, default=PROGRESS_DELAY_US,
                    help="NIXL progress thread's poll delay (0: nixl's own busy spin)")
+    p.add_argument("--poll-us", type=int, default=0,
+                   help="the initiator's sleep between state checks (0: a busy loop; a vLLM "
+                        "engine checks once a step)")
     p.add_argument("--port", type=int, default=23600, help="ucx_perftest's first port")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="nixl_link")
