@@ -10,9 +10,10 @@ Per arm (a ``UCX_TLS`` value) and round, shuffled so the arms interleave:
   engine checks once a step: on two cores a busy loop takes the transfer's CPU). Its agents
   get the progress-thread delay pdserve's engines use (``transport/nixl_cpu.py``), so the
   transport is measured as the engines run it.
-- **ucx**: ``ucx_perftest -t ucp_get`` of the same total size, server and client with the same
-  environment (the ``ucx_perftest`` of the ``libucx-cu12`` wheel: ``pip install libucx-cu12``;
-  without it this arm is left out and the output says so).
+- **ucx**: ``ucx_perftest -t ucp_get`` of the same total size (one message, or with
+  ``--ucx-in-blocks`` messages of ``--block-kib`` each, the pieces NIXL moves), server and
+  client with the same environment (the ``ucx_perftest`` of the ``libucx-cu12`` wheel:
+  ``pip install libucx-cu12``; without it this arm is left out and the output says so).
 
 Reported per arm: each side's GB/s (median and range over every timed transfer of every round)
 and nixl ÷ ucx (target ≥ 0.6). ``UCX_NET_DEVICES=lo`` throughout, as dev mode sets it.
@@ -181,9 +182,14 @@ def ucx_perftest() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-def ucx_rates(binary: str, tls: str, mib: int, reps: int, port: int) -> list[float]:
+def ucx_rates(binary: str, tls: str, mib: int, reps: int, port: int,
+              block_kib: int | None = None) -> list[float]:
     """Raw UCX GB/s: ``ucx_perftest -t ucp_get`` of ``mib`` MiB, ``reps`` iterations (one
-    figure: its average over them), or raises RuntimeError with its error."""
+    figure: its average over them), or raises RuntimeError with its error. ``block_kib``: in
+    messages of that size (as many iterations as moves the same bytes), not one."""
+    size, iters = mib << 20, reps
+    if block_kib:
+        size, iters = block_kib << 10, reps * max(1, (mib << 10) // block_kib)
     env = arm_env(tls)
     lib = Path(binary).parent.parent / "lib"
     env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
@@ -192,8 +198,8 @@ def ucx_rates(binary: str, tls: str, mib: int, reps: int, port: int) -> list[flo
     try:
         time.sleep(0.5)
         client = subprocess.run(
-            [binary, "127.0.0.1", "-p", str(port), "-t", "ucp_get", "-s", str(mib << 20),
-             "-n", str(reps), "-w", "1"], env=env, capture_output=True, text=True,
+            [binary, "127.0.0.1", "-p", str(port), "-t", "ucp_get", "-s", str(size),
+             "-n", str(iters), "-w", "1"], env=env, capture_output=True, text=True,
             timeout=RUN_TIMEOUT_S)
     finally:
         server.terminate()
@@ -248,7 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     port += 1
                     assert binary is not None
-                    got = ucx_rates(binary, tls, args.mib, args.reps, port)
+                    got = ucx_rates(binary, tls, args.mib, args.reps, port,
+                                    args.block_kib if args.ucx_in_blocks else None)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 errors[tls][side] = str(exc)[:400]
                 log(f"round {r + 1}: {tls} {side} failed: {errors[tls][side]}")
@@ -312,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--poll-us", type=int, default=0,
                    help="the initiator's sleep between state checks (0: a busy loop; a vLLM "
                         "engine checks once a step)")
+    p.add_argument("--ucx-in-blocks", action="store_true",
+                   help="raw UCX moves the bytes in --block-kib messages, as NIXL does (default: "
+                        "one message of --mib)")
     p.add_argument("--port", type=int, default=23600, help="ucx_perftest's first port")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="nixl_link")
