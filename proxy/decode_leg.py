@@ -32,8 +32,10 @@ from proxy.errors import (
 )
 from proxy.ledger import Claim, Ledger
 from proxy.metrics import ProxyMetrics
+from proxy.pair_health import Handover
 from proxy.plan import Plan, estimate_header
 from proxy.pool import Engine, EnginePool
+from proxy.prefill_leg import release_handoff
 from proxy.requests import ApiRequest
 from proxy.trace import Trace
 from transport import kv_params
@@ -64,6 +66,7 @@ class DecodeLeg:
         self._last_frame_at = 0.0
         self._itl: Histogram | None = None  # pd_itl_seconds{route}
         self._decode_span: Any = None  # the open ``decode`` span, when tracing
+        self._handover: Handover | None = None  # the KV sent to the engine tried now
         if handoff is None:
             self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
         self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
@@ -79,6 +82,9 @@ class DecodeLeg:
         while True:
             decode = self.decode
             tried.add(decode.name)
+            self._pull_over()  # (the engine tried before)
+            if self.handoff is not None and self.plan.prefill is not None:
+                self._handover = self._pool.handing_over(self.plan.prefill, decode)
             self.trace.t_decode_sent = time.perf_counter()
             # The streams decoding there will see this arrival's steps: time them.
             tracker = self._costs.tracker(decode.name)
@@ -171,8 +177,7 @@ class DecodeLeg:
         finally:
             stream.close()
             self.claim.release()
-            self.ended(time.perf_counter())
-        self._pull_over()
+            self.ended(time.perf_counter())  # (its pull is over)
         # A whole reply has no first-token time: only its total is recorded.
         self._metrics.stage_seconds.labels("total", self.route).observe(
             time.perf_counter() - self.trace.t_start)
@@ -198,9 +203,10 @@ class DecodeLeg:
         alone = self._kv_in_alone and self._ledger.load(self.decode.name).prompt_tokens == 0
         asyncio.get_running_loop().call_soon(self._measured, now, alone)
 
-    def _pull_over(self) -> None:  # the decode engine answered: its KV pull is over
-        if self.handoff is not None and self.plan.prefill is not None:
-            self._pool.pulled(self.plan.prefill, self.decode)
+    def _pull_over(self) -> None:  # the decode engine answered, or failed: its pull is over
+        if self._handover is not None:
+            self._pool.pulled(self._handover)
+            self._handover = None
 
     def _measured(self, now: float, kv_in_alone: bool) -> None:
         """What the first bytes at ``now`` measured (``kv_in_alone``: see above)."""
@@ -259,6 +265,7 @@ class DecodeLeg:
 
     def ended(self, now: float) -> None:
         """The request is over on its decode engine, however it ended."""
+        self._pull_over()
         tracker = self._costs.tracker(self.decode.name)
         tracker.work_dropped(self, now)  # (a no-op once its first byte came)
         if self._streaming:
@@ -275,23 +282,10 @@ class DecodeLeg:
 
     def release_blocks(self) -> None:
         """The decode request was given up before its engine answered (the client left, or the
-        engine missed the headers deadline): it is aborted, maybe before vLLM took its
-        hand-off. The prefill engine then holds the blocks until its lease expires unless a
-        decode reads them: read them (one token) in the background, on the same engine (another
-        could read them while this one, resumed, reads them too: its prefix cache would then
-        hold blocks the prefill has reused), for as long as the hand-off can still be read."""
-        body, client, rid = release_body(self.body), self.decode.client, self.req.request_id
-        timeout_s = max(self.read_by - time.time(), 1.0)
-
-        async def run() -> None:
-            try:
-                await client.post_json(self.req.path, body, {"x-request-id": rid}, timeout_s)
-            except Exception as exc:  # noqa: BLE001 - best effort; the lease frees them later
-                log.warning("could not release prefill blocks of %s: %s", rid, exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        engine missed the headers deadline): its hand-off is read in the background
+        (:func:`proxy.prefill_leg.release_handoff`)."""
+        release_handoff(self.decode.client, self.req.path, release_body(self.body),
+                        self.req.request_id, self.read_by, self._background)
 
     def headers(self) -> dict[str, str]:
         headers = {"x-request-id": self.req.request_id, "x-pd-route": self.route}

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
-from proxy.pair_health import PairHealth
+from proxy.pair_health import Handover, PairHealth
 from transport.kv_events import AllCleared
 
 __all__ = ["BOTH", "Duty", "EndpointInfo", "Engine", "EnginePool", "Role"]
@@ -211,10 +211,9 @@ class EnginePool:
             self.on_up(engine)
 
     def _release(self, engine: Engine) -> None:
-        """What waits on ``engine``, now marked down, stops waiting: requests for a whole reply
-        (prefills) fall back, and its streams continue on another decode engine (stream
-        migration) instead of after the idle deadline. With no other decode engine up, the
-        streams stay: the engine may only be slow, and cut they could only end in an error."""
+        """What waits on ``engine``, now down, stops waiting: whole replies (prefills) fall
+        back, its streams continue on another decode engine (migration), not after the idle
+        deadline. With no other up, they stay: the engine may be slow, and cut they'd fail."""
         engine.give_up_waiting()
         if any(e is not engine and e.healthy and not e.draining and "decode" in e.duties
                for e in self.all()):
@@ -223,30 +222,31 @@ class EnginePool:
 
     async def look(self, engine: Engine) -> None:
         """Read the engine's own metrics: its load (running + waiting requests), and the KV
-        pulls that failed since the last look, laid on its pairs (``proxy/pair_health.py``).
-        One look at a time per engine, each with the hand-overs taken before it."""
+        pulls that failed since the last look, laid on its pairs (``proxy/pair_health.py``)."""
         async with engine.looking:
             self._waiting.discard(engine.name)
-            handovers = self.pair_health.take(engine.name)
+            start = self.pair_health.look_begins(engine.name, time.monotonic())
             status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
             if status != 200:
                 return
             failed = engine.update_load(text)
             if engine.can("decode"):  # its series, 0 until one fails
                 self._metrics.kv_pull_failures_total.labels(engine.name).inc(failed)
-                self.pair_health.looked(engine.name, handovers, failed, time.monotonic())
+                self.pair_health.looked(engine.name, start, failed, time.monotonic())
             if failed:
-                log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts "
-                            "itself; its vLLM log says why (e.g. 'NIXL compatibility hash "
-                            "mismatch': engines built from different vLLM, model path or "
-                            "dtype)", engine.name, failed)
+                log.warning("engine %s: %d KV pull(s) failed, so it computed those prompts; "
+                            "its vLLM log says why (e.g. 'NIXL compatibility hash mismatch': "
+                            "another vLLM, model path or dtype)", engine.name, failed)
 
-    def pulled(self, prefill: Engine, decode: Engine) -> None:
-        """``decode`` is done with a hand-over from ``prefill`` (its pull failed or not: its own
-        count tells, ``proxy/pair_health.py``). A watched engine is looked at now."""
-        self.pair_health.pulled(prefill.name, decode.name)
-        if (self.pair_health.watching(decode.name, time.monotonic())
-                and decode.name not in self._waiting):  # one waiting look takes them all
+    def handing_over(self, prefill: Engine, decode: Engine) -> Handover:  # to :meth:`pulled`
+        return self.pair_health.opened(prefill.name, decode.name, time.monotonic())
+
+    def pulled(self, handover: Handover) -> None:
+        """The hand-over's pull is over (failed or not: the engine's count tells,
+        ``proxy/pair_health.py``). A watched engine is looked at now."""
+        watched = self.pair_health.pulled(handover, time.monotonic())
+        decode = self.get(handover.decode) if watched else None
+        if decode is not None and decode.name not in self._waiting:  # one waiting look: all
             self._waiting.add(decode.name)
             task = asyncio.get_running_loop().create_task(self._look_quietly(decode))
             self._looks.add(task)

@@ -9,6 +9,7 @@ makes vLLM abort it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
 from proxy.engine import EngineLost
 from proxy.engine_bodies import prefill_body
-from proxy.engine_client import EngineTimeout, EngineUnreachable
+from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.errors import from_engine_error
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
@@ -93,3 +94,24 @@ class PrefillLeg:
         log.warning("prefill failed (%s): serving locally", reason)
         self.metrics.fallbacks_total.labels(reason).inc()
         return None
+
+
+def release_handoff(client: EngineClient, path: str, body: dict, request_id: str, read_by: float,
+                    background: set[asyncio.Task]) -> None:
+    """A decode request given up before its engine answered is aborted, maybe before vLLM took
+    its hand-off. The prefill engine then holds the blocks until its lease expires unless a
+    decode reads them: ``body`` (:func:`proxy.engine_bodies.release_body`, one token) reads them
+    in the background, on the same engine ``client`` (another could read them while that one,
+    resumed, reads them too: its prefix cache would then hold blocks the prefill has reused),
+    for as long as the hand-off can still be read (``read_by``, wall clock)."""
+    timeout_s = max(read_by - time.time(), 1.0)
+
+    async def run() -> None:
+        try:
+            await client.post_json(path, body, {"x-request-id": request_id}, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - best effort; the lease frees them later
+            log.warning("could not release prefill blocks of %s: %s", request_id, exc)
+
+    task = asyncio.get_running_loop().create_task(run())
+    background.add(task)
+    task.add_done_callback(background.discard)

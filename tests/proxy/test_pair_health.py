@@ -11,7 +11,7 @@ import time
 import pytest
 
 from proxy.metrics import ProxyMetrics
-from proxy.pair_health import PairHealth, blame
+from proxy.pair_health import Handover, PairHealth, blame
 from proxy.pool import EnginePool
 from tests.proxy.test_kv_pull_failures import MetricsClient
 from tests.proxy.test_routing import Named, request, setup
@@ -37,60 +37,136 @@ def test_blame(handovers, failed, blamed):
     assert blame(handovers, failed) == blamed
 
 
+def hand_over(health: PairHealth, prefill: str, sent: float, done: float | None = None
+              ) -> Handover:
+    """A hand-over of ``prefill``'s KV to d0 sent at ``sent``, pulled at ``done`` (``sent`` if
+    not given; None for ``done=-1``: still open)."""
+    h = health.opened(prefill, "d0", sent)
+    if done != -1:
+        health.pulled(h, sent if done is None else done)
+    return h
+
+
 def look(health: PairHealth, failed: int, now: float) -> frozenset[str]:
-    """A look at d0 finding ``failed`` new failed pulls."""
-    return health.looked("d0", health.take("d0"), failed, now)
+    """A look at d0, its read sent and answered at ``now``, finding ``failed`` new failed
+    pulls."""
+    return health.looked("d0", health.look_begins("d0", now), failed, now)
 
 
 def test_a_blamed_pair_is_left_out_for_a_doubling_backoff_and_cleared_by_clean_pulls():
     health = PairHealth(backoff_s=10.0, max_backoff_s=25.0)
-    health.pulled("p0", "d0")
-    health.pulled("p1", "d0")
-    health.pulled("p1", "d0")
+    hand_over(health, "p0", 99.0)
+    hand_over(health, "p1", 99.0)
+    hand_over(health, "p1", 99.0)
     assert look(health, 2, now=100.0) == {"p1"}
     assert not health.usable("p1", "d0", 109.9) and health.usable("p1", "d0", 110.0)
     assert health.usable("p0", "d0", 100.0) and health.usable("p1", "d1", 100.0)
     assert health.routed_around(105.0) == [
         {"prefill": "p1", "decode": "d0", "for_s": 5.0, "times_blamed": 1}]
     # Tried again after the backoff, and failing again: twice as long, then capped.
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 110.0)
     assert look(health, 1, now=110.0) == {"p1"}
     assert not health.usable("p1", "d0", 129.9) and health.usable("p1", "d0", 130.0)
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 130.0)
     look(health, 1, now=130.0)
     assert not health.usable("p1", "d0", 154.9) and health.usable("p1", "d0", 155.0)
-    # A look with its hand-overs and no failure starts the pair afresh: the next failure costs
-    # the first backoff again.
-    health.pulled("p1", "d0")
+    # A hand-over sent after the last look and pulled before this one, with no failure,
+    # starts the pair afresh: the next failure costs the first backoff again.
+    hand_over(health, "p1", 155.0)
     assert look(health, 0, now=160.0) == frozenset()
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 165.0)
     look(health, 1, now=170.0)
     assert not health.usable("p1", "d0", 179.9) and health.usable("p1", "d0", 180.0)
 
 
 def test_a_look_that_cannot_tell_neither_blames_nor_clears():
     health = PairHealth(backoff_s=10.0)
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 0.0)
     look(health, 1, now=0.0)  # p1 blamed: next backoff 20 s
     for p in ("p0", "p0", "p1", "p1"):
-        health.pulled(p, "d0")
+        hand_over(health, p, 5.0)
     assert not health.watching("d0", 10.0)
     assert look(health, 2, now=10.0) == frozenset()  # p0's or p1's: unknown
     assert health.watching("d0", 10.0) and not health.watching("d1", 10.0)
     assert not health.watching("d0", 40.0)  # (for 30 s)
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 10.0)
     look(health, 1, now=10.0)
     assert not health.usable("p1", "d0", 29.9)  # the backoff kept doubling
 
 
 def test_an_engine_that_comes_up_starts_with_clean_pairs_and_no_window():
     health = PairHealth(backoff_s=10.0)
-    health.pulled("p1", "d0")
+    hand_over(health, "p1", 0.0)
     look(health, 1, now=0.0)
-    health.pulled("p1", "d0")  # taken before the restart: not the new engine's
+    hand_over(health, "p1", 0.5)  # sent before the restart: not the new engine's
     health.forget("p1")
     assert health.usable("p1", "d0", 0.0) and health.routed_around(0.0) == []
     assert look(health, 1, now=1.0) == frozenset()
+
+
+def test_a_failure_counted_before_its_hand_over_is_pulled_is_laid_on_its_pair():
+    """vLLM counts a failed pull when it finds it, then computes the prompt, then answers: a
+    look in between holds the failure of a hand-over still open."""
+    health = PairHealth(backoff_s=10.0)
+    look(health, 0, now=0.0)
+    hand_over(health, "p0", 1.0)
+    hand_over(health, "p0", 2.0)
+    p1 = hand_over(health, "p1", 3.0, done=-1)  # its pull failed; the prompt is computed
+    assert look(health, 1, now=4.0) == {"p1"}  # (its window alone, p0 would be blamed)
+    assert health.usable("p0", "d0", 4.0)
+    # Pulled after that look, it proves nothing clean: the backoff still doubles.
+    health.pulled(p1, 5.0)
+    assert look(health, 0, now=6.0) == frozenset()
+    hand_over(health, "p1", 14.0)
+    assert look(health, 1, now=15.0) == {"p1"}
+    assert not health.usable("p1", "d0", 34.9)
+
+
+def test_a_hand_over_pulled_while_the_read_is_under_way_is_in_the_reckoning():
+    health = PairHealth(backoff_s=10.0)
+    look(health, 0, now=0.0)
+    hand_over(health, "p0", 1.0)
+    start = health.look_begins("d0", 2.0)
+    hand_over(health, "p1", 2.5, done=3.0)  # its failure may be in the count read
+    assert health.looked("d0", start, 1, 3.5) == frozenset()  # p0's or p1's: unknown
+    assert health.usable("p0", "d0", 3.5) and health.watching("d0", 3.5)
+    # Pulled after that read was sent, it is still counted by the next look.
+    hand_over(health, "p1", 4.0)
+    assert look(health, 1, now=5.0) == {"p1"}
+
+
+def test_a_look_that_could_not_read_the_count_leaves_its_hand_overs_to_the_next():
+    health = PairHealth(backoff_s=10.0)
+    look(health, 0, now=0.0)
+    for _ in range(3):
+        hand_over(health, "p1", 1.0)
+    health.look_begins("d0", 2.0)  # the read timed out: looked() is never called
+    hand_over(health, "p0", 3.0)
+    assert look(health, 3, now=4.0) == {"p1"}  # exactly p1's three, not all on p0
+
+
+def test_a_look_under_way_when_an_engine_comes_up_blames_no_one():
+    """The count read may hold the failures of the engine that was there before."""
+    health = PairHealth(backoff_s=10.0)
+    look(health, 0, now=0.0)
+    hand_over(health, "p0", 1.0)
+    hand_over(health, "p1", 1.0)
+    start = health.look_begins("d0", 2.0)
+    health.forget("p1")  # p1 came up again: its failed hand-over is no longer counted
+    assert health.looked("d0", start, 1, 3.0) == frozenset()
+    assert health.usable("p0", "d0", 3.0)
+
+
+def test_failures_found_while_the_pair_is_left_out_do_not_lengthen_it():
+    """They are of hand-overs sent before it was left out: nothing new about the pair."""
+    health = PairHealth(backoff_s=10.0)
+    hand_over(health, "p1", 0.0)
+    late = hand_over(health, "p1", 0.0, done=-1)
+    assert look(health, 1, now=1.0) == {"p1"}  # left out until 11 s
+    health.pulled(late, 1.5)
+    assert look(health, 1, now=2.0) == {"p1"}  # the other one's
+    assert health.usable("p1", "d0", 11.0)
+    assert health.routed_around(2.0)[0]["times_blamed"] == 2
 
 
 def pool_with_failing_pair() -> tuple[EnginePool, MetricsClient]:
@@ -106,11 +182,11 @@ async def test_the_probe_blames_and_the_picks_route_around_the_pair():
     decode = pool.get("d0")
     await pool.probe(decode)  # the baseline
     for p in ("p0", "p1", "p1"):
-        pool.pair_health.pulled(p, "d0")
+        pool.pulled(pool.handing_over(pool.get(p), decode))
     client.failed = 2
     await pool.probe(decode)
     assert [pool.pick_prefill(exclude=decode).name for _ in range(4)] == ["p0"] * 4
-    assert pool.pick_prefill(exclude=None).name in ("p0", "p1")  # no decode engine named
+    assert {pool.pick_prefill(exclude=None).name for _ in range(4)} == {"p0", "p1"}  # (none)
 
 
 async def test_the_pair_is_tried_again_after_its_backoff():
@@ -118,7 +194,7 @@ async def test_the_pair_is_tried_again_after_its_backoff():
     pool.pair_health = PairHealth(backoff_s=0.05)
     decode = pool.get("d0")
     await pool.probe(decode)
-    pool.pair_health.pulled("p1", "d0")
+    pool.pulled(pool.handing_over(pool.get("p1"), decode))
     client.failed = 1
     await pool.probe(decode)
     assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0"}
@@ -130,7 +206,7 @@ async def test_an_engine_coming_back_up_is_picked_again_at_once():
     pool, client = pool_with_failing_pair()
     decode = pool.get("d0")
     await pool.probe(decode)
-    pool.pair_health.pulled("p1", "d0")
+    pool.pulled(pool.handing_over(pool.get("p1"), decode))
     client.failed = 1
     await pool.probe(decode)
     pool.mark_down(pool.get("p1"))
@@ -140,7 +216,7 @@ async def test_an_engine_coming_back_up_is_picked_again_at_once():
 
 async def test_with_every_pair_failing_the_request_goes_local_and_says_why():
     pool, _, orch = setup(prefills=("p0",), decodes=("d0",))
-    orch.pool.pair_health.pulled("p0", "d0")
+    hand_over(orch.pool.pair_health, "p0", time.monotonic())
     look(orch.pool.pair_health, 1, now=time.monotonic())
     plan = await orch.plan(request())
     assert plan.prefill is None and plan.decision.route == "local"
@@ -171,16 +247,16 @@ async def test_a_watched_engine_is_looked_at_after_each_hand_over_until_the_pair
     reads = record_reads(client)
     await pool.probe(decode)
     for p in (p0, p1):
-        pool.pulled(p, decode)
+        pool.pulled(pool.handing_over(p, decode))
     client.failed += 1  # p1's
     await pool.probe(decode)
     assert pool.pair_health.routed_around(time.monotonic()) == []  # one of two: unknown
     reads.clear()
-    pool.pulled(p0, decode)
+    pool.pulled(pool.handing_over(p0, decode))
     await asyncio.sleep(0.01)  # (the look runs on the loop)
     assert reads == ["/metrics"]
     client.failed += 1
-    pool.pulled(p1, decode)
+    pool.pulled(pool.handing_over(p1, decode))
     await asyncio.sleep(0.01)
     assert [r["prefill"] for r in pool.pair_health.routed_around(time.monotonic())] == ["p1"]
     assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0"}
@@ -190,7 +266,7 @@ async def test_an_engine_not_watched_is_read_only_by_its_probes():
     pool, client = pool_with_failing_pair()
     decode = pool.get("d0")
     reads = record_reads(client)
-    pool.pulled(pool.get("p0"), decode)
+    pool.pulled(pool.handing_over(pool.get("p0"), decode))
     await asyncio.sleep(0.01)
     assert reads == []
 
@@ -202,7 +278,7 @@ async def test_a_burst_of_hand_overs_to_a_watched_engine_waits_for_one_look_not_
     decode, p0, p1 = pool.get("d0"), pool.get("p0"), pool.get("p1")
     await pool.probe(decode)
     for p in (p0, p1):
-        pool.pulled(p, decode)
+        pool.pulled(pool.handing_over(p, decode))
     client.failed += 1
     await pool.probe(decode)  # one of two: the engine is watched now
     reads = record_reads(client)
@@ -215,7 +291,7 @@ async def test_a_burst_of_hand_overs_to_a_watched_engine_waits_for_one_look_not_
 
     client.get_text = slow  # type: ignore[method-assign]
     for _ in range(10):
-        pool.pulled(p0, decode)
+        pool.pulled(pool.handing_over(p0, decode))
         await asyncio.sleep(0)
     release.set()
     await asyncio.sleep(0.05)
