@@ -13,13 +13,13 @@ given to uv as flags (:func:`uv_command`). ``--index-strategy unsafe-best-match`
 pip does, the best version over all indexes, not the first index that has the package.
 
 If uv cannot be installed or its install fails, pip installs as before: the same result,
-slower.
+slower. uv's own settings (``UV_*``, ``uv.toml``), where a user has any, apply too.
 """
 
 from __future__ import annotations
 
+import ast
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -27,6 +27,10 @@ import time
 #: pip keys read from ``pip config list`` (sections ``:env:``, ``install``, ``global``).
 _KEYS = ("index-url", "extra-index-url", "find-links", "constraint", "cert", "proxy",
          "timeout")
+#: Other names pip gives those keys (``PIP_DEFAULT_TIMEOUT`` lists as ``default-timeout``).
+_ALIASES = {"default-timeout": "timeout"}
+#: The uv that installs (a newer one may read flags otherwise); pip is brought up to date with it.
+UV = "uv==0.13.9"
 
 
 def pip_settings(config_list: str) -> dict[str, str]:
@@ -37,10 +41,14 @@ def pip_settings(config_list: str) -> dict[str, str]:
     for line in config_list.splitlines():
         name, sep, raw = line.partition("=")
         section, dot, key = name.strip().rpartition(".")
+        key = _ALIASES.get(key, key)
         if not sep or not dot or key not in _KEYS:
             continue
-        words = shlex.split(raw)
-        found[(section, key)] = words[0] if len(words) == 1 else raw.strip().strip("'\"")
+        try:  # pip prints the value's repr: a list written over lines holds "\n"s
+            value = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        found[(section, key)] = " ".join(str(value).split())
     settings = {}
     for key in _KEYS:
         for section in (":env:", "install", "global"):
@@ -68,7 +76,10 @@ def uv_command(uv: str, python: str, spec: str, settings: dict[str, str]
     if "proxy" in settings:
         env["HTTPS_PROXY"] = env["HTTP_PROXY"] = settings["proxy"]
     if "timeout" in settings:
-        env["UV_HTTP_TIMEOUT"] = settings["timeout"]
+        try:  # uv reads whole seconds
+            env["UV_HTTP_TIMEOUT"] = str(max(1, round(float(settings["timeout"]))))
+        except ValueError:
+            pass
     return argv + ["-e", spec], env
 
 
@@ -81,7 +92,7 @@ def main(argv: list[str]) -> int:
     python = sys.executable
     pip = [python, "-m", "pip"]
     t0 = time.monotonic()
-    if _run(pip + ["install", "-q", "uv"]):
+    if _run(pip + ["install", "-q", "-U", "pip", UV]):
         listed = subprocess.run(pip + ["config", "list"], capture_output=True, text=True)
         uv = os.path.join(os.path.dirname(python), "uv")
         cmd, env = uv_command(uv, python, spec, pip_settings(listed.stdout))

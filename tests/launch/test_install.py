@@ -37,7 +37,20 @@ def test_this_boxs_sources_reach_uv():
     assert "--compile-bytecode" in argv
     assert "--index-url" not in argv  # pip's default index: uv's default too
     assert argv[-2:] == ["-e", ".[cpu]"]
-    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt"}
+    assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+                   "UV_HTTP_TIMEOUT": "180"}  # (PIP_DEFAULT_TIMEOUT: default-timeout)
+
+
+def test_a_list_written_over_several_lines_gives_each_entry():
+    """pip.conf's usual way to list indexes, a value on each line after the key: pip lists
+    it with ``\\n``s inside."""
+    listed = ("global.extra-index-url='\\nhttps://a/simple\\nhttps://b/simple'\n"
+              "global.find-links='\\n/w1\\n/w2'\n")
+    argv, _ = install.uv_command("uv", "py", ".", install.pip_settings(listed))
+    pairs = list(zip(argv, argv[1:]))
+    assert ("--extra-index-url", "https://a/simple") in pairs
+    assert ("--extra-index-url", "https://b/simple") in pairs
+    assert ("--find-links", "/w1") in pairs and ("--find-links", "/w2") in pairs
 
 
 def test_the_environment_wins_over_the_install_section_over_global():
