@@ -130,7 +130,7 @@ class DecodeLeg:
     def _move_on(self, failed: Engine, tried: set[str], why: str) -> bool:
         """Move the claim to a decode engine not yet ``tried``; False when there is none."""
         self._costs.tracker(failed.name).work_dropped(self, time.perf_counter())
-        other = self._pool.pick_decode(self._load, exclude=failed.name)
+        other = self._pool.pick_decode(self._load, exclude={failed.name})
         if other is None or other.name in tried:
             return False
         log.warning("decode %s %s: retrying %s on %s", failed.name, why, self.req.request_id,
@@ -265,12 +265,12 @@ class DecodeLeg:
 
     def ended(self, now: float) -> None:
         """The request is over on its decode engine, however it ended."""
+        self.claim.release()  # first: nothing below can keep it
         self._pull_over()
         tracker = self._costs.tracker(self.decode.name)
         tracker.work_dropped(self, now)  # (a no-op once its first byte came)
         if self._streaming:
             tracker.stream_ended(self)
-        self.claim.release()
         self.trace.run_deferred()
         if self.req.spans is not None:
             self._end_decode_span(now)  # a whole reply, or no first byte

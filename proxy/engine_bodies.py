@@ -23,11 +23,11 @@ def output_budget(body: Mapping[str, Any]) -> int:
 
 
 def stated_output_budget(body: Mapping[str, Any]) -> int | None:
-    """The request's own max_tokens (None: it set none)."""
-    for key in ("max_completion_tokens", "max_tokens"):
-        if isinstance(body.get(key), int):
-            return body[key]
-    return None
+    """The request's own max_tokens (None: it set none): a chat request's
+    ``max_completion_tokens`` when set, else its ``max_tokens``; a completion's ``max_tokens``
+    (vLLM reads no other there)."""
+    keys = ("max_completion_tokens", "max_tokens") if "messages" in body else ("max_tokens",)
+    return next((body[k] for k in keys if isinstance(body.get(k), int)), None)
 
 
 def prefill_body(body: Mapping[str, Any], limits: kv_params.KVLimits | None = None

@@ -77,15 +77,21 @@ class EngineStream:
         finally:
             self.close()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Yield body bytes as they arrive; raise EngineTimeout after ``idle_s`` of silence."""
-        response = self._response
+    async def chunks(self, deadline: float | None = None) -> AsyncIterator[bytes]:
+        """Yield body bytes as they arrive; raise EngineTimeout after ``idle_s`` of silence, and
+        TimeoutError at ``deadline`` (``loop.time()``: the whole request's)."""
+        response, loop = self._response, asyncio.get_running_loop()
         while True:
+            idle_at = loop.time() + self._idle_s
             try:
-                # A timer per read; the time the consumer takes with a chunk is not counted.
-                async with asyncio.timeout(self._idle_s):
+                # A timer per read: the time the consumer takes with a chunk is not counted, and
+                # the timer cancels this read only (never the consumer, between reads).
+                async with asyncio.timeout_at(idle_at if deadline is None
+                                              else min(idle_at, deadline)):
                     chunk = await response.chunk()
             except TimeoutError as exc:
+                if deadline is not None and deadline <= idle_at:
+                    raise  # the request's own deadline
                 raise EngineTimeout("engine stream went silent") from exc
             except http1.HttpError as exc:
                 raise _unreachable(self._name, exc) from exc

@@ -112,7 +112,9 @@ class Ledger:
         load.prompt_tokens = max(0, load.prompt_tokens + prompt)
         load.output_tokens = max(0, load.output_tokens + output)
         load.requests = max(0, load.requests + requests)
-        engine.inflight = load.requests
+        # Per object: a restarted engine is a new one under the same name (``pool.reconcile``),
+        # and requests still running on the old one end on the old one.
+        engine.inflight = max(0, engine.inflight + requests)
 
 
 class Claim:
@@ -173,7 +175,8 @@ class Claim:
         """What is left of this claim now weighs on ``engine`` instead."""
         if not self._open or engine is self.engine:
             return
-        prompt, output = self.prompt_tokens, self.output_tokens
+        prompt, output, held = self.prompt_tokens, self.output_tokens, self._holding[1]
+        self.drop_hold()  # the stalls its steps put on the old engine's streams: on the new's
         self._ledger._add(self.engine, -prompt, -output, -1)
         self._ledger._claims[self.engine.name].discard(self)
         self._ledger._claims[engine.name].add(self)
@@ -182,6 +185,8 @@ class Claim:
             self.was_idle = self._ledger.load(engine.name).prompt_tokens == 0
             self.prompt_at = self._ledger.clock()  # queued anew there
         self._ledger._add(engine, prompt, output, 1)
+        if held:
+            self.hold_stalls(held)
 
     def release(self) -> None:
         if self._open:

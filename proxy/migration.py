@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from proxy.engine_bodies import stated_output_budget
 from proxy.errors import DecodeErrored, DecodeLost, DecodeStalled, ProxyError
 from proxy.metrics import ProxyMetrics
 from proxy.requests import ApiRequest
@@ -40,10 +41,11 @@ from proxy.transcript import Transcript
 
 log = logging.getLogger(__name__)
 
-#: ``resume(request, failed engine)``: serve ``request`` on a decode engine other than the one
+#: ``resume(request, failed engines)``: serve ``request`` on a decode engine other than those
 #: that failed, returning its chunks and that engine's name (raises a ProxyError when it
-#: cannot).
-Resume = Callable[[ApiRequest, str], Awaitable[tuple[AsyncIterator[bytes | ProxyError], str]]]
+#: cannot: a ``DecodeLost`` when the engine it tried failed before answering).
+Resume = Callable[[ApiRequest, frozenset[str]],
+                  Awaitable[tuple[AsyncIterator[bytes | ProxyError], str]]]
 
 #: The chat fields a completion of token ids takes over (sampling and output controls).
 _CARRIED_FROM_CHAT = (
@@ -51,8 +53,10 @@ _CARRIED_FROM_CHAT = (
     "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens",
     "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "user",
     "stream", "stream_options", "bad_words", "allowed_token_ids", "priority",
-    "include_stop_str_in_output", "length_penalty", "vllm_xargs",
+    "include_stop_str_in_output", "length_penalty", "vllm_xargs", "cache_salt",
 )
+#: A completion's fields a continuation leaves out: its prompt is new, and already cut to size.
+_NOT_CARRIED = ("prompt", "suffix", "truncate_prompt_tokens", "truncation_side")
 _STRUCTURED = ("tools", "functions", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs")
 
@@ -72,6 +76,10 @@ def not_migratable(body: Mapping[str, Any]) -> str | None:
     if any(body.get(k) for k in _STRUCTURED) or (
             isinstance(format_, Mapping) and format_.get("type") not in (None, "text")):
         return "structured_output"
+    if any(isinstance(m, Mapping) and isinstance(m.get("content"), list) and any(
+            isinstance(part, Mapping) and part.get("type") != "text" for part in m["content"])
+           for m in body.get("messages") or ()):
+        return "multimodal"  # its token ids alone do not carry the image or sound
     return None
 
 
@@ -89,9 +97,8 @@ def budget_left(req: ApiRequest, transcript: Transcript, max_model_len: int | No
     """Tokens the request may still generate: its ``max_tokens`` (a completion's default when
     unset) less what was delivered; a chat request that set none may fill the context. None:
     not known (a chat request without ``max_tokens``, the context length not configured)."""
-    body = req.body
-    budget = body.get("max_completion_tokens", body.get("max_tokens"))
-    if not isinstance(budget, int):
+    budget = stated_output_budget(req.body)
+    if budget is None:
         if req.endpoint == "completions":
             budget = COMPLETIONS_DEFAULT_MAX_TOKENS
         elif max_model_len is not None and transcript.prompt_ids is not None:
@@ -113,7 +120,7 @@ def continuation(req: ApiRequest, transcript: Transcript, left: int) -> ApiReque
     if req.endpoint == "chat":
         out = {k: body[k] for k in _CARRIED_FROM_CHAT if k in body}
     else:
-        out = {k: v for k, v in body.items() if k not in ("prompt", "suffix")}
+        out = {k: v for k, v in body.items() if k not in _NOT_CARRIED}
     out.pop("max_completion_tokens", None)
     out["prompt"] = transcript.prompt_ids + transcript.output_ids
     out["return_token_ids"] = True
@@ -137,6 +144,7 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], 
     transcript = (Transcript(req.endpoint == "chat", bool(req.body.get("return_token_ids")))
                   if why_not is None else None)
     migrations = 0
+    failed: set[str] = set()  # the engines lost from under this stream
     t_lost = 0.0  # when the engine being continued from was lost (0: not continuing)
     try:
         while True:
@@ -174,20 +182,29 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], 
                 yield transcript.closing(bool((req.body.get("stream_options") or {}).get(
                     "include_usage")))
                 return
-            if transcript is None or migrations >= limit or left is None:
-                refused = why_not or ("limit" if migrations >= limit else "unknown_budget")
-                metrics.migrations_failed_total.labels(refused).inc()
-                yield _given_up(req, failure, reason, metrics)
-                return
-            nxt = continuation(with_token_ids(req), transcript, left)
-            try:
-                chunks, engine = await resume(nxt, failure.engine)
-            except ProxyError as exc:
-                log.warning("%s: no continuation after %s (%s)", req.request_id, reason,
-                            exc.message)
-                metrics.migrations_failed_total.labels("no_engine").inc()
-                yield _given_up(req, failure, reason, metrics)
-                return
+            failed.add(failure.engine)
+            while True:
+                refused = _refused(why_not, transcript, migrations, limit, left)
+                if refused is not None or transcript is None or left is None:
+                    metrics.migrations_failed_total.labels(refused or "disabled").inc()
+                    yield _given_up(req, failure, reason, metrics)
+                    return
+                nxt = continuation(with_token_ids(req), transcript, left)
+                try:
+                    chunks, engine = await resume(nxt, frozenset(failed))
+                    break
+                except DecodeLost as exc:  # it failed before answering: another, if allowed
+                    log.warning("%s: continuation on %s failed: %s", req.request_id,
+                                exc.engine, exc.message)
+                    migrations += 1
+                    failed.add(exc.engine)
+                    metrics.migrations_total.labels(reason).inc()
+                except ProxyError as exc:
+                    log.warning("%s: no continuation after %s (%s)", req.request_id, reason,
+                                exc.message)
+                    metrics.migrations_failed_total.labels("no_engine").inc()
+                    yield _given_up(req, failure, reason, metrics)
+                    return
             migrations += 1
             if req.spans is not None:
                 req.spans.annotate(migrations=migrations)
@@ -199,6 +216,20 @@ async def migrating(req: ApiRequest, chunks: AsyncIterator[bytes | ProxyError], 
                      req.request_id, reason, len(transcript.output_ids), 1e3 * resumed)
     finally:
         await _close(chunks)
+
+
+def _refused(why_not: str | None, transcript: Transcript | None, migrations: int, limit: int,
+             left: int | None) -> str | None:
+    """Why the stream is not continued now (None: it is)."""
+    if why_not is not None or transcript is None:
+        return why_not or "disabled"
+    if migrations >= limit:
+        return "limit"
+    if left is None:
+        return "unknown_budget"
+    if transcript.output_ids and transcript.prompt_ids is None:
+        return "unknown_prompt"  # a continuation would start the answer over
+    return None
 
 
 def _given_up(req: ApiRequest, failure: ProxyError, reason: str, metrics: ProxyMetrics

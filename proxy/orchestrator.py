@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from proxy.costs import RouteCosts
@@ -32,7 +32,15 @@ from proxy.deadlines import Deadlines
 from proxy.decision_log import DecisionLog
 from proxy.decode_leg import DecodeLeg
 from proxy.engine_bodies import output_budget, stated_output_budget
-from proxy.errors import DecodeLost, DecodeStalled, NoEngineAvailable, ProxyError
+from proxy.errors import (
+    DecodeLost,
+    DecodeStalled,
+    NoEngineAvailable,
+    ProxyError,
+    RequestDeadline,
+    StageTimeout,
+    UpstreamError,
+)
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
 from proxy.migration import migrating, not_migratable, with_token_ids
@@ -126,7 +134,7 @@ class Orchestrator:
                 return await self._serve(req, prefill, decode)
             except (DecodeLost, DecodeStalled) as exc:
                 reason = "decode_lost" if isinstance(exc, DecodeLost) else "decode_timeout"
-                decode = self.pool.pick_decode(self._load, exclude=exc.engine)
+                decode = self.pool.pick_decode(self._load, exclude={exc.engine})
                 if attempt == limit or decode is None:
                     self.metrics.migrations_failed_total.labels(
                         "limit" if decode is not None else "no_engine").inc()
@@ -136,14 +144,20 @@ class Orchestrator:
                             req.request_id, exc.engine, decode.name)
         raise AssertionError("unreachable")
 
-    async def _resume(self, req: ApiRequest, failed: str
+    async def _resume(self, req: ApiRequest, failed: Collection[str]
                       ) -> tuple[AsyncIterator[bytes | ProxyError], str]:
-        """``req`` (a stream's continuation) on a decode engine other than ``failed``: its
-        chunks, and that engine's name."""
+        """``req`` (a stream's continuation) on a decode engine not in ``failed``: its chunks,
+        and that engine's name. That engine failing before it answered is a ``DecodeLost`` of
+        its own (another may be tried)."""
         decode = self.pool.pick_decode(self._load, exclude=failed)
         if decode is None:
             raise NoEngineAvailable("no other decode engine to continue the stream on")
-        stream = await self._serve(req, None, decode)
+        try:
+            stream = await self._serve(req, None, decode)
+        except (StageTimeout, UpstreamError) as exc:
+            if isinstance(exc, RequestDeadline):
+                raise
+            raise DecodeLost(exc.message, engine=decode.name) from None
         assert isinstance(stream, Stream)
         return stream.chunks, stream.engine
 

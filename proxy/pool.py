@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
@@ -154,10 +154,10 @@ class EnginePool:
         return self.picked(self.cheapest_prefill(cost, exclude), "prefill")
 
     def pick_decode(self, cost: Callable[[Engine], float] = _no_cost,
-                    exclude: str | None = None) -> Engine | None:
-        """The cheapest engine to decode on, never the one named ``exclude`` (it failed)."""
+                    exclude: Collection[str] = ()) -> Engine | None:
+        """The cheapest engine to decode on, none of those named in ``exclude`` (they failed)."""
         return self.picked(
-            _cheapest([e for e in self.decode if e.name != exclude], cost, "decode"), "decode")
+            _cheapest([e for e in self.decode if e.name not in exclude], cost, "decode"), "decode")
 
     def usable(self, duty: str) -> list[Engine]:
         """The engines that may be given ``duty`` now, without picking one (the pair of engines

@@ -31,18 +31,20 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
     engine = leg.decode
     engine.open_streams.add(stream)
     try:
-        async with asyncio.timeout_at(deadline):
-            async for chunk in stream.chunks():
-                # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the client
-                # before this generator resumes.
-                if not t_first:
-                    t_first = time.perf_counter()
-                    yield chunk
-                    leg.first_byte(t_first)
-                else:
-                    yield chunk
-                tail = (tail + chunk)[-32:]
-                leg.frames(time.perf_counter(), chunk.count(b"data: "))
+        # The deadline times each read (``EngineStream.chunks``): a timer around the loop would
+        # fire while this generator waits at a ``yield`` and cancel the consumer, the client's
+        # writer, instead (no in-band error, a traceback in the server's log).
+        async for chunk in stream.chunks(deadline):
+            # Bytes first, bookkeeping after: the consumer writes ``chunk`` to the client
+            # before this generator resumes.
+            if not t_first:
+                t_first = time.perf_counter()
+                yield chunk
+                leg.first_byte(t_first)
+            else:
+                yield chunk
+            tail = (tail + chunk)[-32:]
+            leg.frames(time.perf_counter(), chunk.count(b"data: "))
         if _DONE not in tail:
             raise EngineUnreachable("decode stream ended without [DONE]")
     except TimeoutError:  # the request's own deadline (the engine's silence is EngineTimeout)

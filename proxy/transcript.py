@@ -71,6 +71,10 @@ class Transcript:
         self._as_chat = False
         self._held = b""
         self._changed = False
+        #: The client has had the stream's usage event (choices empty) / its role event.
+        self._usage_sent = self._role_sent = False
+        #: The engine answering now starts with a role event the client has had already.
+        self._skip_role = False
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -86,6 +90,7 @@ class Transcript:
         ``as_completion``: it answers a completion request for this chat stream."""
         self._carried = len(self.output_ids)
         self._as_chat = self.chat and as_completion
+        self._skip_role = self._role_sent and not as_completion
         self._held = b""  # an event the lost engine did not finish was never sent
         self.engine_error = None
 
@@ -154,6 +159,12 @@ class Transcript:
             obj["id"], obj["created"] = self.id, self.created
             self._changed = True
         self._take_prompt(obj, first_engine)  # chat: on the first event
+        if _role_only(obj):
+            if self._skip_role:  # the same request on another engine, its role said already
+                self._skip_role = False
+                return None
+            self._role_sent = True
+        self._usage_sent = self._usage_sent or bool(obj.get("usage") and not obj.get("choices"))
         empty = bool(obj.get("choices"))
         for choice in obj.get("choices") or []:
             self._take_prompt(choice, first_engine)  # completions: in the first choice
@@ -224,7 +235,7 @@ class Transcript:
                 choice.update(text="", logprobs=None)
             events.append({"id": self.id, "object": kind, "created": self.created,
                            "model": self.model, "choices": [choice]})
-        if usage:
+        if usage and not self._usage_sent:  # (sent, only its [DONE] was lost)
             prompt = len(self.prompt_ids or [])
             done = len(self.output_ids)
             events.append({"id": self.id, "object": kind, "created": self.created,
@@ -234,6 +245,14 @@ class Transcript:
         self.finished = True
         return b"".join(_DATA + _encode(e) + b"\n\n" for e in events) + _DATA + _DONE + (
             b"\n\n")
+
+
+def _role_only(event: dict[str, Any]) -> bool:
+    """A chat stream's role event: each choice's delta names the role, and says nothing."""
+    choices = event.get("choices")
+    return isinstance(choices, list) and bool(choices) and all(
+        isinstance(c, dict) and isinstance(c.get("delta"), dict) and "role" in c["delta"]
+        and not c["delta"].get("content") and not c.get("finish_reason") for c in choices)
 
 
 def _has_content(choice: dict[str, Any]) -> bool:

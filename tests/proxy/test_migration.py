@@ -388,3 +388,44 @@ async def test_a_stream_dropped_before_its_first_read_closes_its_decode_and_clai
         loads = state.orchestrator.ledger.loads()
         assert all(v.prompt_tokens == v.output_tokens == v.requests == 0
                    for v in loads.values()), loads
+
+
+async def test_a_stream_lost_after_its_usage_event_gets_no_second_one(engines):
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames = len(TOKENS) + 1  # every token and usage; no [DONE]
+    body = completions_body(stream=True, max_tokens=len(TOKENS),
+                            stream_options={"include_usage": True})
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(COMPLETIONS_PATH, json=body)
+    evs = events(resp.content)
+    assert text_of(evs) == TEXT
+    assert len([e for e in evs if e.get("usage")]) == 1
+
+
+async def test_a_chat_stream_lost_after_its_role_event_says_the_role_once(engines):
+    prefill, decode, decode2 = engines
+    decode.decode_drop_after_frames = 1  # the role event only
+    async with proxy(prefill, decode, **two_decodes(decode, decode2)) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=True, max_tokens=len(TOKENS)))
+    evs = events(resp.content)
+    assert text_of(evs) == TEXT
+    assert len([e for e in evs if "role" in e["choices"][0].get("delta", {})]) == 1
+
+
+async def test_a_continuation_that_fails_before_answering_is_tried_on_another(engines):
+    prefill, decode, decode2 = engines
+    third = FakeEngine("decode-3")
+    await third.start()
+    try:
+        third.stream_tokens = TOKENS
+        decode2.decode_gate = asyncio.Event()  # never answers: past the headers deadline
+        urls = (decode.url, decode2.url, third.url)
+        async with proxy(prefill, decode, decode_urls=urls, headers_deadline_s=0.3) as client:
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(
+                stream=True, max_tokens=len(TOKENS)))
+            assert await metric(client, "pd_migrations_total", reason="decode_lost") == 2
+        assert text_of(events(resp.content)) == TEXT
+        assert len(third.decode_requests) == 1
+    finally:
+        decode2.decode_gate.set()
+        await third.stop()

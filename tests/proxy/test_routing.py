@@ -111,7 +111,10 @@ async def test_other_clients_requests_count_at_the_engines_mean_prompt_size():
 
 async def test_output_budget_is_the_requests_max_tokens():
     assert output_budget({"max_tokens": 7}) == 7
-    assert output_budget({"max_completion_tokens": 9, "max_tokens": 7}) == 9
+    assert output_budget({"messages": [], "max_completion_tokens": 9, "max_tokens": 7}) == 9
+    assert output_budget({"messages": [], "max_completion_tokens": None, "max_tokens": 7}) == 7
+    # A completion's is max_tokens alone: vLLM reads no max_completion_tokens there.
+    assert output_budget({"prompt": "x", "max_completion_tokens": 9, "max_tokens": 7}) == 7
     assert output_budget({}) == DEFAULT_OUTPUT_BUDGET
 
 
