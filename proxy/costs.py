@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from proxy.estimators import LinkFit, PrefillFit, StepFit, TokenRatio
+from proxy.estimators import LinkFit, PrefillFit, TokenRatio
 from proxy.ledger import Ledger
 from proxy.policy import CostInputs
+from proxy.step_fit import StepFit
 from proxy.step_tracker import Arrival, StepTracker
 from proxy.worst_gap import WorstGapFit
 from transport.cost import LinkModel, PrefillModel, StepModel

@@ -18,8 +18,8 @@ What is not continued (:func:`not_migratable`; the in-band error as before): log
 probabilities, ``echo``, stop strings (the engine holds text back while matching them: text a
 continuation would lose), structured output (tools, ``response_format``, guided decoding: the
 grammar's state does not carry over), media in a chat (its ids do not carry it), and tokens
-delivered by an engine that sent no prompt ids (``unknown_prompt``). (``n`` > 1 never gets this far: the proxy serves n=1
-only.) Continued, but not what an uninterrupted run would have
+delivered by an engine that sent no prompt ids (``unknown_prompt``). (``n`` > 1 never gets
+this far: the proxy serves n=1 only.) Continued, but not what an uninterrupted run would have
 sent: sampling (a ``seed`` restarts its generator: the continuation is a fresh sample, seeded),
 and presence / frequency penalties (they count output tokens, and the delivered ones become
 prompt). A non-streamed request that fails while answering has delivered nothing: it is served

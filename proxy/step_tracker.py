@@ -8,7 +8,7 @@ in (a disaggregated arrival), each known as an interval ``[sent, first byte]`` o
 Work spread over several gaps (a chunked prefill) is split between them by overlap; the gap
 holding the step that produced the arrival's first token may end just after it, so finished
 work is kept a few seconds for gaps still to come. A gap becomes a sample ``(prefill tokens,
-streams, KV tokens, seconds per step)`` for :class:`~proxy.estimators.StepFit` once no work that
+streams, KV tokens, seconds per step)`` for :class:`~proxy.step_fit.StepFit` once no work that
 is still running started before its end.
 
 For each arrival that ran beside streams, the longest gap they saw during it is reported with
@@ -134,7 +134,11 @@ class StepTracker:
         self._flush(now)
 
     def work_dropped(self, work: object, now: float) -> None:
-        self._running.pop(work, None)
+        """``work`` ended with no first byte (a whole reply, a retry, a timeout): its share of
+        the steps it spanned is not known, so those gaps are no sample."""
+        dropped = self._running.pop(work, None)
+        if dropped is not None:
+            self._pending = deque(g for g in self._pending if g.t1 <= dropped.t0)
         self._flush(now)
 
     def _flush(self, now: float) -> None:

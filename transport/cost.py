@@ -80,15 +80,16 @@ class StepModel:
     def local_gap(self, prompt_tokens: int, chunk_tokens: int, streams: int) -> float:
         """The longest gap ``streams`` decoding here see while a prompt of ``prompt_tokens`` is
         computed here in chunks of ``chunk_tokens``: the largest chunk's step, and the rest."""
-        return (self.seconds(min(prompt_tokens, chunk_tokens), streams) + self.local_fixed_s
-                + self.local_s * max(0, prompt_tokens))
+        step = self.seconds(min(prompt_tokens, chunk_tokens), streams)
+        # (The fitted excess may be negative at this size: the step is the least it can be.)
+        return max(step, step + self.local_fixed_s + self.local_s * max(0, prompt_tokens))
 
     def handover_gap(self, streams: int, kv_tokens: int) -> float:
         """The longest gap ``streams`` decoding here see while ``kv_tokens`` of KV come in."""
         if self.handover_fixed_s is None:
             return self.seconds(0, streams, kv_tokens)
-        return (self.seconds(0, streams) + self.handover_fixed_s
-                + self.handover_s * max(0, kv_tokens))
+        step = self.seconds(0, streams)  # (at least a plain step, as above)
+        return max(step, step + self.handover_fixed_s + self.handover_s * max(0, kv_tokens))
 
 
 def breakeven_bytes_per_s(kv_bytes_per_token: int, prefill_tokens_per_s: float) -> float:

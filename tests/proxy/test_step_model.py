@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.estimators import StepFit
+from proxy.step_fit import StepFit
 from proxy.step_tracker import KEEP_DONE_S, StepTracker
 from transport.cost import PrefillModel, StepModel
 
