@@ -310,7 +310,10 @@ def test_a_cut_link_is_routed_around_within_a_probe_round_and_heals_in_seconds(t
     assert caught_at_once.result()["route"] == "local"
     assert caught_at_once.result()["took"] < marked_down_s + 5
     assert all(r["took"] < marked_down_s + 15 for r in caught), caught
-    assert all(r["route"] == "local" for r in load.short if down < r["sent"] < healed), load.short
+    # Sent and answered while it was cut: local. (One sent just before the heal may be planned
+    # after a probe found the engine again: a run on a loaded box saw one P/D in that window.)
+    within = [r for r in load.short if down < r["sent"] and r["sent"] + r["took"] < healed]
+    assert within and all(r["route"] == "local" for r in within), load.short
     assert prefill_instance(placed) == instance, "the engine was restarted: nothing to heal"
 
 
