@@ -13,8 +13,9 @@ Call order: ``pool = await TokenizerPool.start(model_dir, workers, inline_chars)
 workers, waits until each has loaded its tokenizer) → ``await pool.measure(body, block_sizes)``
 / ``await pool.ids(body)`` any number of times, concurrently → ``await pool.close()`` once (the
 owner's ``finally``). Each worker takes one prompt at a time; more wait here for a free one, so
-a burst of long prompts queues instead of starving the relay. A worker that dies (or answers
-garbage) is replaced; the call it had answers None, and the proxy sizes that prompt from its
+a burst of long prompts queues instead of starving the relay. A worker that dies, answers
+garbage or hangs (no answer in ``CALL_TIMEOUT_S``: it is killed) is replaced; the call it had
+answers None, and the proxy sizes that prompt from its
 characters, as without a tokenizer. A call cancelled while its worker works leaves the worker
 to finish (its answer is dropped, the worker is then free again).
 """
@@ -38,6 +39,10 @@ log = logging.getLogger(__name__)
 #: core a worker holds at once instead of after the worker's time slice.
 WORKER_NICE = 10
 _START_TIMEOUT_S = 120.0
+#: A call unanswered this long has a hung worker (stopped, stuck, or out of step on its pipe):
+#: it is killed and replaced, the caller sizes the prompt from its characters. 30x the longest
+#: measure seen here (a 96k-token chat, 313 ms).
+CALL_TIMEOUT_S = 10.0
 
 
 class _Worker:
@@ -151,7 +156,13 @@ class TokenizerPool:
         try:
             # Shielded: a caller that gives up leaves the worker to finish, so the next
             # request on its pipe does not read this one's answer.
-            return await asyncio.shield(answer)
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                return await asyncio.shield(answer)
+        except TimeoutError:
+            log.warning("tokenizer worker %s did not answer in %.0f s: replacing it",
+                        worker.proc.pid, CALL_TIMEOUT_S)
+            worker.proc.kill()  # its call fails, and _release replaces it
+            return None
         except (OSError, EOFError, asyncio.IncompleteReadError, pickle.UnpicklingError) as exc:
             log.warning("tokenizer worker %s failed (%r): replacing it", worker.proc.pid, exc)
             return None

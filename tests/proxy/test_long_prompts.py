@@ -4,7 +4,9 @@ over the context is refused without being tokenized (real tokenizer: the tiny mo
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 
 from harness.fake_engine import FakeEngine
 from harness.live_proxy import proxy_config
+from proxy import tokenizer_pool
 from proxy.app import create_app
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines
@@ -110,6 +113,23 @@ async def test_a_dead_worker_is_replaced(tiny_dir):
         body = {"prompt": words(500)}
         assert await pool.measure(body, [BS]) is None  # the proxy estimates this one instead
         measured = await pool.measure(body, [BS])  # waits for the replacement, which answers
+        assert measured is not None and measured.n_tokens > 0
+        assert pool._workers[0] is not worker
+    finally:
+        await pool.close()
+
+
+async def test_a_hung_worker_is_replaced_and_holds_no_caller(tiny_dir, monkeypatch):
+    """A worker that stops answering (SIGSTOP here; a stuck tokenizer, a pipe out of step)
+    would hold its caller, and every prompt queued behind it, for good."""
+    monkeypatch.setattr(tokenizer_pool, "CALL_TIMEOUT_S", 0.5)
+    pool = await TokenizerPool.start(tiny_dir, workers=1, inline_chars=0)
+    try:
+        (worker,) = pool._workers
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        body = {"prompt": words(500)}
+        assert await asyncio.wait_for(pool.measure(body, [BS]), 5) is None
+        measured = await asyncio.wait_for(pool.measure(body, [BS]), 60)
         assert measured is not None and measured.n_tokens > 0
         assert pool._workers[0] is not worker
     finally:
