@@ -6,6 +6,12 @@ or seed. Offload tiers (vLLM's OffloadingConnector, medium ``CPU``) publish stor
 ids, naming blocks by the engine's block hash: those are matched through the engine's earlier
 event for the same hash (kept a while after the engine itself dropped the block).
 
+A block vLLM hashed with more than its tokens (a ``cache_salt``, a LoRA adapter, media: the
+event's extra keys) is keyed with them, so it is never a hit for a prompt without them (the
+proxy looks prompts up by their tokens alone: a salted prompt's own hits go unseen, which only
+under-reports). A block announced again (vLLM's ``kv_cache_report_mode: full`` re-announces
+reused blocks on every hit) is still one block: its one removal forgets it.
+
 A prompt is looked up by its block keys (:func:`block_keys`, computed where it was tokenized:
 a worker process, off the proxy's event loop); ``cached_keys(keys)`` walks them and returns how
 many leading tokens the engine can load instead of computing (any tier, or one).
@@ -53,6 +59,7 @@ class PrefixIndex:
         self._key_of: dict[Hashable, ContentKey] = {}  # engine's block hash -> content key
         self._tiers: dict[ContentKey, Counter[str]] = {}  # content key -> tiers holding it
         self._recent: OrderedDict[Hashable, ContentKey] = OrderedDict()  # dropped, recently
+        self._held: dict[Hashable, set[str]] = {}  # engine's block hash -> tiers holding it
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -64,20 +71,24 @@ class PrefixIndex:
             elif isinstance(ev, BlocksRemoved):
                 for h in ev.block_hashes:
                     key = self._key_of.get(h)
-                    if key is None:
+                    held = self._held.get(h)
+                    if key is None or held is None or ev.tier not in held:
                         continue
-                    tiers = self._tiers.get(key)
-                    if tiers is not None:
-                        tiers[ev.tier] -= 1
-                        if tiers[ev.tier] <= 0:
-                            del tiers[ev.tier]
-                        if not tiers:
-                            del self._tiers[key]
-                            self._forget(h)
+                    held.discard(ev.tier)
+                    tiers = self._tiers[key]
+                    tiers[ev.tier] -= 1
+                    if tiers[ev.tier] <= 0:
+                        del tiers[ev.tier]
+                    if not tiers:
+                        del self._tiers[key]
+                    if not held:
+                        del self._held[h]
+                        self._forget(h)
             elif isinstance(ev, AllCleared):
                 self._key_of.clear()
                 self._tiers.clear()
                 self._recent.clear()
+                self._held.clear()
 
     def _forget(self, h: Hashable) -> None:
         self._recent[h] = self._key_of.pop(h)
@@ -91,7 +102,7 @@ class PrefixIndex:
                 if key is None and (key := self._recent.pop(h, None)) is not None:
                     self._key_of[h] = key
                 if key is not None:
-                    self._tiers.setdefault(key, Counter())[ev.tier] += 1
+                    self._add(h, key, ev.tier)
             return
         self.block_size = ev.block_size
         parent = self._key_of.get(ev.parent_hash) if ev.parent_hash is not None else _ROOT
@@ -102,10 +113,18 @@ class PrefixIndex:
             tokens = ev.token_ids[i * bs:(i + 1) * bs]
             if len(tokens) < bs:
                 break
-            key = _chain(parent, tokens)
+            extra = ev.extra_keys[i] if ev.extra_keys and i < len(ev.extra_keys) else None
+            key = _chain(parent, tokens) if not extra else hash((parent, tuple(tokens), extra))
             self._key_of[h] = key
-            self._tiers.setdefault(key, Counter())[ev.tier] += 1
+            self._add(h, key, ev.tier)
             parent = key
+
+    def _add(self, h: Hashable, key: ContentKey, tier: str) -> None:
+        """Idempotent per (engine hash, tier): a re-announced block is still one block."""
+        held = self._held.setdefault(h, set())
+        if tier not in held:
+            held.add(tier)
+            self._tiers.setdefault(key, Counter())[tier] += 1
 
     def tiers(self) -> set[str]:
         return {t for tiers in self._tiers.values() for t in tiers}

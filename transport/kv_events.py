@@ -29,6 +29,9 @@ class BlocksStored:
     token_ids: tuple[int, ...]
     block_size: int
     tier: str
+    #: Per block, what vLLM folds into its hash besides the tokens (LoRA name, mm ids,
+    #: cache_salt on block 0), untagged as published; None when there are none.
+    extra_keys: tuple[Hashable, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,21 @@ def _hashable(h: Any) -> Hashable:
     return tuple(h) if isinstance(h, list) else h
 
 
+def _extra(ev: dict) -> tuple[Hashable, ...] | None:
+    keys = ev.get("extra_keys")
+    lora = ev.get("lora_name")
+    if not keys and not lora:
+        return None
+    n = len(ev["block_hashes"])
+    keys = list(keys or []) + [None] * (n - len(keys or []))
+    out = tuple(_deep(k) if k else ((lora,) if lora else None) for k in keys[:n])
+    return out if any(out) else None
+
+
+def _deep(x: Any) -> Hashable:
+    return tuple(_deep(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
 def decode_batch(payload: bytes) -> list[KVEvent]:
     """Decode one ``EventBatch`` payload; unknown event types are skipped (forward-compatible)."""
     try:
@@ -74,6 +92,7 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
                 token_ids=tuple(ev["token_ids"]),
                 block_size=int(ev["block_size"]),
                 tier=tier,
+                extra_keys=_extra(ev),
             ))
         elif kind == "BlockRemoved":
             out.append(BlocksRemoved(tuple(_hashable(h) for h in ev["block_hashes"]), tier))

@@ -64,3 +64,57 @@ def test_engine_config():
     assert json.loads(kv_events_config("ipc:///tmp/x"))["endpoint"] == "ipc:///tmp/x"
     with pytest.raises(ValueError, match="binds"):  # vLLM would connect, not bind
         kv_events_config("tcp://127.0.0.1:5700")
+
+
+# --- what the index makes of them (vLLM 0.32's events, through ``decode_batch``) ------------
+
+def _stored(hashes, parent, tokens, *, salt=None, lora=None, block_size=4):
+    """A ``BlockStored`` as vLLM publishes it: a salt is in block 0's extra keys (and so in
+    every later block's hash), a LoRA name in each block's."""
+    from vllm.distributed.kv_events import BlockStored
+
+    extra = None
+    if salt or lora:
+        extra = [tuple(k for k in ((lora,) if lora else ()) + ((salt,) if salt and i == 0
+                                                                  else ())) or None
+                 for i in range(len(hashes))]
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(tokens),
+                       block_size=block_size, lora_id=1 if lora else None, medium="GPU",
+                       lora_name=lora, extra_keys=extra)
+
+
+def _index(*events):
+    from proxy.prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    index.apply(decode_batch(vllm_payload(list(events))))
+    return index
+
+
+def test_salted_or_lora_blocks_are_no_hit_for_a_plain_prompt():
+    """vLLM folds a ``cache_salt`` (block 0) and a LoRA name (each block) into the block hash:
+    a request without them recomputes those tokens."""
+    assert _index(_stored([11, 12], None, range(8), salt="tenant-a")).cached_tokens(
+        list(range(8))) == 0
+    assert _index(_stored([21, 22], None, range(8), lora="sql")).cached_tokens(
+        list(range(8))) == 0
+    assert _index(_stored([31, 32], None, range(8))).cached_tokens(list(range(8))) == 8
+
+
+def test_a_block_announced_again_is_still_one_block():
+    """``kv_cache_report_mode: full`` (a client's ``vllm_xargs``) re-announces reused blocks on
+    every hit; their eviction is announced once."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    index = _index(_stored([1, 2], None, range(8)), _stored([1, 2], None, range(8)))
+    index.apply(decode_batch(vllm_payload([BlockRemoved(block_hashes=[1, 2], medium="GPU")])))
+    assert index.cached_tokens(list(range(8))) == 0 and len(index) == 0
+
+
+def test_blocks_of_the_same_tokens_under_two_hashes_are_forgotten_each():
+    from vllm.distributed.kv_events import BlockRemoved
+
+    index = _index(_stored([1], None, range(4)), _stored([2], None, range(4), salt="s"))
+    index.apply(decode_batch(vllm_payload([BlockRemoved(block_hashes=[1], medium="GPU"),
+                                           BlockRemoved(block_hashes=[2], medium="GPU")])))
+    assert len(index) == 0 and not index._key_of
