@@ -62,8 +62,11 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
 
     def cached(engine: Engine) -> int:  # once per engine: picking and deciding both ask
         if engine.name not in hits:
-            hits[engine.name] = (engine.index.cached_keys(measured.keys(engine.index.block_size))
-                                 if measured else 0)
+            bs = engine.index.block_size
+            hit = engine.index.cached_keys(measured.keys(bs)) if measured else 0
+            # vLLM computes a prompt's last token whatever it holds: a whole prompt cached in
+            # whole blocks has its last block computed again.
+            hits[engine.name] = min(hit, (tokens - 1) // bs * bs) if hit and bs else hit
         return hits[engine.name]
 
     def decode_work(e: Engine) -> float:

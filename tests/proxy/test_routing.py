@@ -67,6 +67,18 @@ async def test_prefill_with_the_prefix_cached_is_chosen_over_rotation():
         assert (await orch.plan(request())).prefill.name == "p1"
 
 
+async def test_a_whole_prompt_cached_still_has_its_last_block_computed():
+    """vLLM computes a prompt's last token whatever it holds: a prompt cached whole, in whole
+    blocks, is a hit of all but its last block."""
+    pool, _, orch = setup()
+    cache(pool.get("d0"), PROMPT)
+    cache(pool.get("d1"), PROMPT)
+    plan = await orch.plan(request())
+    assert len(PROMPT) % BS == 0 and plan.decode_cached_tokens == len(PROMPT) - BS
+    cache(pool.get("p0"), PROMPT[:48])
+    assert (await orch.plan(request())).decode_cached_tokens == len(PROMPT) - BS
+
+
 async def test_cached_prefix_loses_once_its_engine_is_loaded_more_than_it_saves():
     pool, costs, orch = setup()
     cache(pool.get("p1"), PROMPT[:48])
