@@ -31,7 +31,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.tokenizer_worker import HEADER, frame
-from proxy.tokens import PromptTokenizer, PromptTokens, TokenizerInfo, prompt_chars
+from proxy.tokens import (
+    PromptTokenizer,
+    PromptTokens,
+    TokenizerInfo,
+    prompt_chars,
+    renders_here,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +141,8 @@ class TokenizerPool:
         """The prompt's length and block keys for each of ``block_sizes``; None when it cannot
         be tokenized here (or its worker died)."""
         sizes = tuple(sorted(set(block_sizes)))
+        if not renders_here(body):
+            return None
         if prompt_chars(body) <= self._inline_chars:
             return self._local.measure(body, sizes)
         result = await self._call("measure", _prompt_only(body), sizes)
@@ -145,6 +153,8 @@ class TokenizerPool:
 
     async def ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids (start-up probes build prompts of exact lengths with it)."""
+        if not renders_here(body):
+            return None
         if prompt_chars(body) <= self._inline_chars:
             return self._local.ids(body)
         return await self._call("ids", _prompt_only(body))

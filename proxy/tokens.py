@@ -3,8 +3,9 @@
 Used to size a prompt exactly and to look it up in the prefix indexes before routing. Chat:
 the tokenizer's chat template with the generation prompt, then encoding without special tokens;
 completions: a string prompt encoded with special tokens, a token-id list taken as is.
-A prompt that cannot be rendered here returns None (the proxy falls back to estimates; the
-engine still validates and renders it).
+A prompt that cannot be rendered here, or that vLLM would render otherwise (tools, a template
+of the request's own, template arguments, no generation prompt: :func:`renders_here`), returns
+None (the proxy falls back to estimates; the engine still validates and renders it).
 
 :class:`PromptTokenizer` does the work in whatever process holds it; on the request path that is
 a worker of :mod:`proxy.tokenizer_pool`, never the event loop's thread for a long prompt.
@@ -104,6 +105,8 @@ class PromptTokenizer:
             normalizes=backend is None or backend.normalizer is not None)
 
     def ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        if not renders_here(body):
+            return None
         try:
             if "messages" in body:
                 text = self._tok.apply_chat_template(
@@ -126,6 +129,22 @@ class PromptTokenizer:
         if ids is None:
             return None
         return PromptTokens(len(ids), {bs: block_keys(ids, bs) for bs in block_sizes})
+
+
+#: Chat fields with which vLLM renders a prompt otherwise than from its messages alone.
+_RENDERING = ("tools", "documents", "chat_template", "chat_template_kwargs",
+              "continue_final_message")
+
+
+def renders_here(body: Mapping[str, Any]) -> bool:
+    """Whether the proxy renders ``body``'s prompt as vLLM's server does: the messages through
+    the model's template with the generation prompt and no special tokens added (chat), the
+    text with them (completions). Else it is not measured (its characters size it)."""
+    if "messages" in body:
+        return not any(body.get(k) for k in _RENDERING) and (
+            body.get("add_generation_prompt", True) is True
+            and body.get("add_special_tokens", False) is False)
+    return body.get("add_special_tokens", True) is True
 
 
 def load_tokenizer(model_dir: str) -> Any:

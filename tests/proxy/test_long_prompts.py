@@ -212,3 +212,31 @@ async def test_a_burst_queues_and_every_answer_is_its_own(tiny_dir):
         assert [m.n_tokens for m in got] == [len(local.ids(b)) for b in bodies]
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"chat_template_kwargs": {"enable_thinking": False}},
+    {"continue_final_message": True, "add_generation_prompt": False},
+    {"add_generation_prompt": False},
+    {"chat_template": "{{ messages[0]['content'] }}"},
+    {"add_special_tokens": True},
+])
+async def test_a_chat_vllm_renders_otherwise_is_not_measured_here(tiny_dir, extra):
+    """The proxy renders a chat's messages alone: with any of these, vLLM's prompt is another
+    length, with other blocks. Its characters size it instead, as when no tokenizer is loaded."""
+    pool = await TokenizerPool.start(tiny_dir, workers=1, inline_chars=1000)
+    try:
+        chat = {"messages": [{"role": "user", "content": words(50)}]}
+        assert await pool.measure(chat, [BS]) is not None
+        assert await pool.measure({**chat, **extra}, [BS]) is None  # (measured in the caller)
+        long = {"messages": [{"role": "user", "content": words(500)}], **extra}
+        assert await pool.measure(long, [BS]) is None  # (a worker's)
+    finally:
+        await pool.close()
+
+
+def test_a_completion_without_special_tokens_is_not_measured_here(tiny_dir):
+    tokenizer = PromptTokenizer(tiny_dir)
+    assert tokenizer.ids({"prompt": "hello"}) is not None
+    assert tokenizer.ids({"prompt": "hello", "add_special_tokens": False}) is None
