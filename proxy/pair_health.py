@@ -47,24 +47,27 @@ MAX_BACKOFF_S = 300.0
 WATCH_S = 30.0
 
 
-def blame(handovers: Mapping[str, int], failed: int) -> frozenset[str]:
+def blame(handovers: Mapping[str, int], failed: int, whole: bool = True) -> frozenset[str]:
     """The prefill engines whose hand-overs failed, from one look at a decode engine:
-    ``handovers`` counts its hand-overs per prefill engine since the look before, ``failed``
-    the pulls it reported failed in that time.
+    ``handovers`` counts, per prefill engine, the hand-overs whose failures the look's count
+    may hold; ``failed`` the new failures it found. ``whole``: every one of those hand-overs
+    is over, and its failure (if any) in this count, none in an earlier one.
 
     The count can be lower than the requests that failed: vLLM counts a failed NIXL handshake
     once, however many requests waited on it (and KV whose lease ran out apart, not here).
-    - One pair in the window: any failure is its.
-    - As many failures as hand-overs (or more: a count can lag a look): each pair failed.
-    - Fewer, over several pairs: the one pair whose hand-overs are exactly the failures (its
-      pulls all failed, the others' none). With no such pair, or two, the look cannot tell,
-      and blames no one: a later look will, as the hand-overs of each window differ.
+    - Sure: a pair with more failures than all the other pairs' hand-overs (one pair alone,
+      or as many failures as hand-overs: each pair).
+    - Else, in a whole window, the one pair whose hand-overs are exactly the failures (its
+      pulls all failed, the others' none). With no such pair, or two, or hand-overs still
+      open (their failures may come later: the exact count says nothing), the look cannot
+      tell and blames no one: a later look will, as the hand-overs of each window differ.
     """
     total = sum(handovers.values())
     if failed <= 0 or total == 0:
         return frozenset()
-    if failed >= total or len(handovers) == 1:
-        return frozenset(p for p, n in handovers.items() if n > 0)
+    sure = frozenset(p for p, n in handovers.items() if n > 0 and failed > total - n)
+    if sure or not whole:
+        return sure
     exact = [p for p, n in handovers.items() if n == failed]
     return frozenset(exact) if len(exact) == 1 else frozenset()
 
@@ -137,7 +140,9 @@ class PairHealth:
         handovers = Counter(h.prefill for h in kept)
         settled = [h for h in kept if h.done is not None and h.done <= start.sent]
         self._open[decode] = [h for h in kept if h.done is None or h.done > start.sent]
-        blamed = blame(handovers, failed) if start.epoch == self._epoch else frozenset()
+        whole = len(settled) == len(kept) and all(h.opened > since for h in kept)
+        blamed = (blame(handovers, failed, whole) if start.epoch == self._epoch
+                  else frozenset())
         if failed and handovers and not blamed:
             self._watch[decode] = now + WATCH_S
         for prefill in blamed:
