@@ -88,6 +88,7 @@ async def test_a_pair_whose_kv_pulls_fail_is_routed_around(tiny_stack, odd_prefi
         odd_tried = lp.metric(HANDOVERS, prefill=ODD, decode=DECODE)
         good_before = lp.metric(HANDOVERS, prefill=GOOD, decode=DECODE)
         assert odd_tried >= 1
+        print(f"the odd pair found after {odd_tried:.0f} hand-overs through it")
 
         # Found, the pair gets nothing: every request is a hand-over through the good pair, and
         # the decode engine fails no more pulls.
