@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                         "engine checks once a step)")
     p.add_argument("--ucx-in-blocks", action="store_true",
                    help="raw UCX moves the bytes in --block-kib messages, as NIXL does (default: "
-                        "one message of --mib)")
+                        "one message of --mib). ucx_perftest reads one buffer each time: a "
+                        "message the CPU caches is read from there (cma: 21 GB/s at 64 KiB)")
     p.add_argument("--port", type=int, default=23600, help="ucx_perftest's first port")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="nixl_link")
