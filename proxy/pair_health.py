@@ -24,9 +24,9 @@ A blamed pair is left out of the picks for a backoff (10 s at first, doubling wh
 failing, up to 5 min: a failure found while the pair is left out is one of the hand-overs sent
 before, and changes nothing). After the backoff, hand-overs go there again, and a look that
 proves one clean (sent after the last look's answer, pulled before this look's read, no
-failure) clears the
-pair. An engine that comes up (a restart, a new engine under the same name) starts with a clean
-slate; a look under way meanwhile blames no one (its count may hold the old engine's).
+failure) clears the pair. An engine that comes up (a restart, a new engine under the same name)
+starts with a clean slate; a look under way meanwhile blames no one (its count may hold the old
+engine's).
 
 Pure state with no I/O and no clock of its own: the pool feeds it and asks it
 (``proxy/pool.py``).
