@@ -126,9 +126,10 @@ class Engine:
         try:
             yield
         except asyncio.CancelledError:
-            if task not in self._given_up:
+            # Not ours, or ours and the client's in the same breath (a cancel still pending
+            # after ours is taken back): the client's wins, the request is aborted.
+            if task not in self._given_up or task.uncancel() > 0:
                 raise
-            task.uncancel()
             raise EngineLost(f"{self.name} was marked down while it had the request") from None
         finally:
             self._waiting.discard(task)

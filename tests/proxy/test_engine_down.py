@@ -97,6 +97,22 @@ async def test_a_waiter_cancelled_for_its_own_reasons_is_cancelled_not_given_up(
     assert not engine._waiting and not engine._given_up
 
 
+async def test_a_client_hang_up_in_the_same_breath_as_a_mark_down_is_a_hang_up():
+    """Both cancel the waiting task before it runs again: one CancelledError arrives for two
+    cancels. Taken for a mark-down alone, the request would be served again locally for a
+    client that is gone."""
+    pool = pool_of(SlowClient(reachable=False))
+    (engine,) = pool.prefill
+    entered = asyncio.Event()
+    waiter = asyncio.create_task(waiting_on(engine, entered))
+    await entered.wait()
+    engine.give_up_waiting()  # the mark-down ...
+    waiter.cancel()  # ... and the client's hang-up
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not engine._waiting and not engine._given_up
+
+
 async def test_only_the_mark_down_releases_not_every_failed_probe_of_an_engine_already_down():
     """A request sent to an engine already down (picked when nothing better was up, say) is
     not cut by the probes that keep failing: only the transition up -> down releases."""
