@@ -10,7 +10,9 @@ A block vLLM hashed with more than its tokens (a ``cache_salt``, a LoRA adapter,
 event's extra keys) is keyed with them, so it is never a hit for a prompt without them (the
 proxy looks prompts up by their tokens alone: a salted prompt's own hits go unseen, which only
 under-reports). A block announced again (vLLM's ``kv_cache_report_mode: full`` re-announces
-reused blocks on every hit) is still one block: its one removal forgets it.
+reused blocks on every hit) is still one block: its one removal forgets it. A device cache
+reset (vLLM's ``/reset_prefix_cache``) forgets the device tier only: vLLM does not publish the
+offload tier's reset (``reset_external=true``), so after one the index over-reports that tier.
 
 A prompt is looked up by its block keys (:func:`block_keys`, computed where it was tokenized:
 a worker process, off the proxy's event loop); ``cached_keys(keys)`` walks them and returns how
@@ -84,6 +86,9 @@ class PrefixIndex:
                     if not held:
                         del self._held[h]
                         self._forget(h)
+            elif isinstance(ev, AllCleared) and ev.tier is not None:
+                self.apply([BlocksRemoved(tuple(h for h, held in self._held.items()
+                                                if ev.tier in held), ev.tier)])
             elif isinstance(ev, AllCleared):
                 self._key_of.clear()
                 self._tiers.clear()

@@ -42,7 +42,11 @@ class BlocksRemoved:
 
 @dataclass(frozen=True)
 class AllCleared:
-    pass
+    #: The tier cleared; None: every tier (the engine restarted, or events were lost). vLLM's
+    #: own event comes from its device block pool (``/reset_prefix_cache``): an offload tier
+    #: keeps its blocks unless the reset also asked for it (``reset_external``), which
+    #: publishes nothing.
+    tier: str | None = None
 
 
 KVEvent = BlocksStored | BlocksRemoved | AllCleared
@@ -97,7 +101,7 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
         elif kind == "BlockRemoved":
             out.append(BlocksRemoved(tuple(_hashable(h) for h in ev["block_hashes"]), tier))
         elif kind == "AllBlocksCleared":
-            out.append(AllCleared())
+            out.append(AllCleared(ev.get("medium") or DEVICE_TIER))
     return out
 
 

@@ -43,6 +43,22 @@ def test_unknown_parent_is_ignored_and_clear_empties():
     assert len(idx) == 0 and idx.cached_tokens(list(range(4))) == 0
 
 
+def test_a_device_cache_reset_leaves_the_offload_tier_and_a_restart_clears_both():
+    """vLLM's ``/reset_prefix_cache`` clears the device blocks (one AllBlocksCleared, device
+    tier); the CPU tier keeps what it stored, and later tier events still match by hash."""
+    idx = PrefixIndex()
+    idx.apply([stored(["a", "b"], None, range(8)), offloaded(["a"]),
+               stored(["c"], None, [7] * 4)])
+    idx.apply([AllCleared("GPU")])
+    assert idx.cached_tokens(list(range(8)), tier="GPU") == 0
+    assert idx.cached_tokens(list(range(8))) == 4  # block a, in the CPU tier
+    assert idx.cached_tokens([7] * 4) == 0
+    idx.apply([offloaded(["b"])])  # stored after the reset, from the engine's earlier event
+    assert idx.cached_tokens(list(range(8)), tier="CPU") == 8
+    idx.apply([AllCleared()])  # the engine restarted (or events were lost): every tier
+    assert len(idx) == 0 and idx.cached_tokens(list(range(8))) == 0
+
+
 def test_same_content_under_two_hashes_survives_one_removal():
     idx = PrefixIndex()
     idx.apply([stored(["a"], None, range(4)), stored(["a2"], None, range(4))])
