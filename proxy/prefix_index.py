@@ -7,9 +7,9 @@ ids, naming blocks by the engine's block hash: those are matched through the eng
 event for the same hash (kept a while after the engine itself dropped the block).
 
 A block vLLM hashed with more than its tokens (a ``cache_salt``, a LoRA adapter, media: the
-event's extra keys) is keyed with them, so it is never a hit for a prompt without them (the
-proxy looks prompts up by their tokens alone: a salted prompt's own hits go unseen, which only
-under-reports). A block announced again (vLLM's ``kv_cache_report_mode: full`` re-announces
+event's extra keys) is keyed with them, so it is never a hit for a prompt without them. A
+prompt is looked up with its ``cache_salt`` (vLLM puts it in block 0's keys); LoRA adapters and
+media are not looked up (their hits go unseen, which only under-reports). A block announced again (vLLM's ``kv_cache_report_mode: full`` re-announces
 reused blocks on every hit) is still one block: its one removal forgets it. A device cache
 reset (vLLM's ``/reset_prefix_cache``) forgets the device tier only: vLLM does not publish the
 offload tier's reset (``reset_external=true``), so after one the index over-reports that tier.
@@ -22,6 +22,7 @@ many leading tokens the engine can load instead of computing (any tier, or one).
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -35,17 +36,28 @@ ContentKey = int
 _ROOT: ContentKey = 0
 
 
-def _chain(parent: ContentKey, tokens: Sequence[int]) -> ContentKey:
-    return hash((parent, tuple(tokens)))
+def _chain(parent: ContentKey, tokens: Sequence[int], extra: Hashable = None) -> ContentKey:
+    if not extra:
+        return hash((parent, tuple(tokens)))
+    return hash((parent, tuple(tokens), _stable(extra)))
 
 
-def block_keys(token_ids: Sequence[int], block_size: int) -> array:
+def _stable(extra: Hashable) -> int:
+    """A block's extra keys (strings, bytes, ints, in tuples) as an int that is the same in
+    every process: ``hash`` of a string is not (a worker computes the keys the index holds)."""
+    digest = hashlib.blake2b(repr(extra).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> array:
     """The content key of each full block of a prompt (signed 64-bit; the last partial block
-    has none): what :meth:`PrefixIndex.cached_keys` looks up."""
+    has none): what :meth:`PrefixIndex.cached_keys` looks up. ``salt``: the request's
+    ``cache_salt``, which vLLM hashes into block 0 (published as that block's extra key)."""
     keys = array("q")
     parent = _ROOT
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _chain(parent, token_ids[start:start + block_size])
+        tokens = token_ids[start:start + block_size]
+        parent = _chain(parent, tokens, (salt,) if salt and start == 0 else None)
         keys.append(parent)
     return keys
 
@@ -119,7 +131,7 @@ class PrefixIndex:
             if len(tokens) < bs:
                 break
             extra = ev.extra_keys[i] if ev.extra_keys and i < len(ev.extra_keys) else None
-            key = _chain(parent, tokens) if not extra else hash((parent, tuple(tokens), extra))
+            key = _chain(parent, tokens, extra)
             self._key_of[h] = key
             self._add(h, key, ev.tier)
             parent = key
@@ -134,11 +146,13 @@ class PrefixIndex:
     def tiers(self) -> set[str]:
         return {t for tiers in self._tiers.values() for t in tiers}
 
-    def cached_tokens(self, token_ids: Sequence[int], tier: str | None = None) -> int:
-        """Leading tokens of ``token_ids`` held (in ``tier``, or any tier), in whole blocks."""
+    def cached_tokens(self, token_ids: Sequence[int], tier: str | None = None,
+                      salt: str | None = None) -> int:
+        """Leading tokens of ``token_ids`` (salted with ``salt``) held (in ``tier``, or any
+        tier), in whole blocks."""
         if not self.block_size:
             return 0
-        return self.cached_keys(block_keys(token_ids, self.block_size), tier)
+        return self.cached_keys(block_keys(token_ids, self.block_size, salt), tier)
 
     def cached_keys(self, keys: Iterable[ContentKey], tier: str | None = None) -> int:
         """Leading tokens held (in ``tier``, or any tier) of a prompt whose blocks of this

@@ -213,5 +213,5 @@ def _warm_tokenizer(model_dir: str) -> PromptTokenizer:
 
 
 def _prompt_only(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a request body tokenizing reads (what is sent to a worker)."""
-    return {k: body[k] for k in ("messages", "prompt") if k in body}
+    """The part of a request body measuring reads (what is sent to a worker)."""
+    return {k: body[k] for k in ("messages", "prompt", "cache_salt") if k in body}

@@ -128,7 +128,9 @@ class PromptTokenizer:
         ids = self.ids(body)
         if ids is None:
             return None
-        return PromptTokens(len(ids), {bs: block_keys(ids, bs) for bs in block_sizes})
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
+        return PromptTokens(len(ids), {bs: block_keys(ids, bs, salt) for bs in block_sizes})
 
 
 #: Chat fields with which vLLM renders a prompt otherwise than from its messages alone.

@@ -240,3 +240,21 @@ def test_a_completion_without_special_tokens_is_not_measured_here(tiny_dir):
     tokenizer = PromptTokenizer(tiny_dir)
     assert tokenizer.ids({"prompt": "hello"}) is not None
     assert tokenizer.ids({"prompt": "hello", "add_special_tokens": False}) is None
+
+
+async def test_a_salted_prompt_is_measured_with_its_salt(tiny_dir):
+    """``cache_salt`` is in vLLM's hash of block 0 and so of every block: the keys the proxy
+    looks up carry it (computed in the worker), or the prompt's own cached blocks go unseen."""
+    from proxy.prefix_index import block_keys
+
+    pool = await TokenizerPool.start(tiny_dir, workers=1, inline_chars=0)
+    try:
+        body = {"prompt": words(200, seed=3)}
+        ids = PromptTokenizer(tiny_dir).ids(body)
+        salted = await pool.measure({**body, "cache_salt": "tenant-a"}, [BS])
+        plain = await pool.measure(body, [BS])
+        assert list(salted.keys(BS)) == list(block_keys(ids, BS, "tenant-a"))
+        assert list(plain.keys(BS)) == list(block_keys(ids, BS))
+        assert not set(salted.keys(BS)) & set(plain.keys(BS))
+    finally:
+        await pool.close()

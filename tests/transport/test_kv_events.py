@@ -101,6 +101,21 @@ def test_salted_or_lora_blocks_are_no_hit_for_a_plain_prompt():
     assert _index(_stored([31, 32], None, range(8))).cached_tokens(list(range(8))) == 8
 
 
+def test_a_salted_prompt_is_looked_up_with_its_salt():
+    """Block 0's extra keys as vLLM's own ``to_event_extra_keys`` publishes a cache salt: the
+    same tokens with the same salt are a hit, with another salt or none a miss."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+    extra = to_event_extra_keys([(("cache_salt", "tenant-a"),), None])
+    index = _index(BlockStored(block_hashes=[41, 42], parent_block_hash=None,
+                               token_ids=list(range(8)), block_size=4, lora_id=None,
+                               medium="GPU", lora_name=None, extra_keys=extra))
+    assert index.cached_tokens(list(range(8)), salt="tenant-a") == 8
+    assert index.cached_tokens(list(range(8)), salt="tenant-b") == 0
+    assert index.cached_tokens(list(range(8))) == 0
+
+
 def test_a_block_announced_again_is_still_one_block():
     """``kv_cache_report_mode: full`` (a client's ``vllm_xargs``) re-announces reused blocks on
     every hit; their eviction is announced once."""
