@@ -63,9 +63,10 @@ class Ledger:
         return dict(self._loads)
 
     def claim(self, engine: Engine, *, prompt_tokens: int = 0, output_tokens: int = 0,
-              itl_s: float | None = None) -> Claim:
-        """``itl_s``: the request's gap target (its stall budget counts gaps over it)."""
-        return Claim(self, engine, prompt_tokens, output_tokens, itl_s)
+              itl_s: float | None = None, stream: bool = True) -> Claim:
+        """``itl_s``: the request's gap target (its stall budget counts gaps over it);
+        ``stream``: False for a whole reply (its client sees no gap between tokens)."""
+        return Claim(self, engine, prompt_tokens, output_tokens, itl_s, stream)
 
     def queued_prompts(self, engine: str) -> tuple[list[int], float]:
         """The prompt work queued on ``engine``, one entry per request (oldest first), and how
@@ -84,12 +85,17 @@ class Ledger:
     def stall_room(self, engine: str) -> int:
         """Gaps over its target that every request decoding on ``engine`` (or bound to) can
         still take (0 when one has no gap target: its gaps are not known to tolerate any)."""
-        return min((c.stall_room for c in self._claims[engine] if c.decodes), default=0)
+        return min((c.stall_room for c in self._claims[engine] if c.streaming), default=0)
+
+    def bound(self, engine: str) -> int:
+        """This proxy's streams decoding on ``engine``, due to, or expected there later."""
+        return sum(1 for c in self._claims.get(engine, ()) if c.streaming)
 
     def decoding(self, engine: str, now: float) -> int:
-        """This proxy's requests decoding on ``engine`` now, or due to (not ones whose first
-        token is expected there later: ``expect_start``); a prefill leg's claim decodes none."""
-        return sum(1 for c in self._claims.get(engine, ()) if c.decodes
+        """This proxy's streams decoding on ``engine`` now, or due to (not ones whose first
+        token is expected there later: ``expect_start``); a prefill leg's claim decodes none,
+        a whole reply streams none."""
+        return sum(1 for c in self._claims.get(engine, ()) if c.streaming
                    and (c.starts_at is None or c.starts_at <= now))
 
     def exposure(self, engine: str, now: float) -> tuple[int, tuple[Arrival, ...]]:
@@ -99,7 +105,7 @@ class Ledger:
         claims = self._claims.get(engine)
         if not claims:
             return 0, ()
-        decoding = [c for c in claims if c.decodes]
+        decoding = [c for c in claims if c.streaming]
         later = [c for c in decoding if c.starts_at is not None and c.starts_at > now]
         room = min((c.stall_room for c in decoding if c not in later), default=0)
         assert all(c.starts_at is not None for c in later)
@@ -121,7 +127,7 @@ class Claim:
     """One request's share of one engine's load (see the module docstring)."""
 
     def __init__(self, ledger: Ledger, engine: Engine, prompt_tokens: int, output_tokens: int,
-                 itl_s: float | None = None):
+                 itl_s: float | None = None, stream: bool = True):
         self._ledger = ledger
         self.engine = engine
         self.prompt_tokens = 0
@@ -135,8 +141,10 @@ class Claim:
         #: Stalls other requests' routes are about to put on this one (not yet relayed).
         self.held = 0
         self._holding: tuple[list[Claim], int] = ([], 0)
-        #: The request decodes there (an output budget): a prefill leg's claim streams nothing.
-        self.decodes = self.output_tokens > 0
+        #: The request streams tokens from there (an output budget, streamed): the gaps a
+        #: route puts there are its client's. A prefill leg's claim streams nothing, nor does a
+        #: whole reply (its client sees no gap between tokens).
+        self.streaming = self.output_tokens > 0 and stream
         #: When its first token is expected there, while its prompt is prefilled on another
         #: engine (monotonic clock; None: decoding, or due to).
         self.starts_at: float | None = None
@@ -217,7 +225,7 @@ class Claim:
         a second arrival cannot spend the same stall before the gap is relayed. ``until``: when
         its steps end; a request due to start decoding later is not stalled by them."""
         others = [c for c in self._ledger._claims[self.engine.name]
-                  if c.decodes and c is not self
+                  if c.streaming and c is not self
                   and (until is None or c.starts_at is None or c.starts_at <= until)]
         for c in others:
             c.held += n

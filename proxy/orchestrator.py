@@ -168,8 +168,11 @@ class Orchestrator:
         self.metrics.decisions_total.labels(plan.decision.route, plan.decision.reason).inc()
         logged = self.decisions.record(req.request_id, str(self.policy), plan)
         # A stall budget needs the answer's length: without max_tokens, none (room 0 there).
-        itl_s = plan.targets.itl_s if plan.targets and stated_output_budget(req.body) else None
-        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s)
+        # A whole reply has no gaps to protect.
+        itl_s = (plan.targets.itl_s if plan.targets and req.stream
+                 and stated_output_budget(req.body) else None)
+        claim = self.ledger.claim(plan.decode, output_tokens=plan.output_budget, itl_s=itl_s,
+                                  stream=req.stream)
         disaggregated = plan.decision.route == "disaggregated" and plan.prefill is not None
         predicted = plan.decision.predicted_s()
         now = time.monotonic()

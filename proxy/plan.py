@@ -145,9 +145,9 @@ def streams_exposed(costs: RouteCosts, decode: Engine, arriving: int = 0) -> int
     (those the policy counts by when they start: ``proxy.policy.exposure``). Counting only the
     ones already streaming let a long local prefill start on an engine whose next stream was a
     moment away (a 1.2 s stall at 0.44 req/s, SmolLM2 prefill-heavy). Other clients' requests
-    there count as streams too."""
-    own = max(costs.tracker(decode.name).streams,
-              costs.ledger.load(decode.name).requests - arriving)
+    there count as streams too. Not this proxy's whole replies, nor its prefill legs there: no
+    client sees their gaps."""
+    own = max(costs.tracker(decode.name).streams, costs.ledger.bound(decode.name) - arriving)
     return own + decode.foreign_requests
 
 

@@ -62,25 +62,34 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         return Decision(route, reason, *predicted, *gaps, room, streams=streams,
                         gap_prefill_s=prefill_gap)
 
+    uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
+    judge = inputs.costs is not None and inputs.targets is not None and inputs.targets.any
+
+    def judged(reason: str | None = None) -> Decision:
+        """The targets rule's route (``reason`` given: local, judged all the same, so that
+        the pair choice weighs what it costs the streams there)."""
+        assert inputs.costs is not None and inputs.targets is not None
+        v = for_targets(inputs, inputs.targets, predicted, gaps, prefill_gap)
+        spent = stalls_needed(v.route, uncached, inputs.costs.chunk_tokens)
+        return replace(made(v.route, reason or v.reason),
+                       stalls=spent if v.spends_budget else 0,
+                       over_targets=v.over_targets, violation=v.violation)
+
     if not inputs.prefill_available:
-        return made("local", "prefill_unavailable")
+        return judged("prefill_unavailable") if judge and mode.kind == "auto" else made(
+            "local", "prefill_unavailable")
     if mode.kind == "local":
         return made("local", "policy_local")
     if mode.kind == "disaggregate":
         return made("disaggregated", "policy_disaggregate")
-    uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
     if mode.kind == "threshold":
         over = uncached >= mode.threshold_tokens
         return made("disaggregated", "over_threshold") if over else made("local", "under_threshold")
     # auto
     if inputs.costs is None:
         return made("disaggregated", "no_cost_model")
-    if inputs.targets is not None and inputs.targets.any:
-        route, reason, (missed, violation) = for_targets(
-            inputs, inputs.targets, predicted, gaps, prefill_gap)
-        spent = stalls_needed(route, uncached, inputs.costs.chunk_tokens)
-        return replace(made(route, reason), stalls=spent if reason == "slo_stall_budget" else 0,
-                       over_targets=missed, violation=violation)
+    if judge:
+        return judged()
     if uncached == 0:
         return made("local", "cached_on_decode")
     disagg_s, local_s = predicted

@@ -14,6 +14,8 @@ engine's requests only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from proxy.route_inputs import Route, RouteInputs, Targets, exposure
 from proxy.stall_budget import stalls_needed
 
@@ -25,16 +27,26 @@ SLACK_TIE = 0.05
 LOCAL_MARGIN = Targets(ttft_s=0.15, itl_s=0.25)
 
 
+class Verdict(NamedTuple):
+    route: Route
+    reason: str
+    #: The requests the route is predicted to put over a target, and its violation.
+    over_targets: int
+    violation: float
+    #: Whether the route spends the streams' stall budget (its stalls are to be held).
+    spends_budget: bool
+
+
 def for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | None, ...],
-                gaps: tuple[float | None, ...], prefill_gap: float | None = None
-                ) -> tuple[Route, str, tuple[int, float]]:
+                gaps: tuple[float | None, ...], prefill_gap: float | None = None) -> Verdict:
     """Local when it meets both targets with ``LOCAL_MARGIN`` to spare; else keep the routes
     that meet both targets and take the one with the most slack (with a gap target alone, the
     faster); when none does, the fewest requests over a target, then the least violation (the
     streams' ITL violation counted once per stream). ``prefill_gap``: the gap the
     disaggregated route's prefill puts in the prefill engine's streams
     (``RouteInputs.prefill_streams``). Also returns the route's shortfall: the requests it is
-    predicted to put over a target, and its violation (``Decision.over_targets``)."""
+    predicted to put over a target, and its violation (``Decision.over_targets``), and whether
+    it spends the streams' stall budget, whatever the reason it was taken for."""
     routes: list[Route] = ["disaggregated", "local"] if inputs.prefill_available else ["local"]
     index = {"disaggregated": 0, "local": 1}
     exposed = {r: exposure(inputs, predicted[index[r]]) for r in routes}
@@ -76,13 +88,13 @@ def for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | 
 
     verdicts = {r: judged(r) for r in routes}
 
-    def shortfall(route: Route) -> tuple[int, float]:
-        return verdicts[route][4], verdicts[route][3]
+    def verdict(route: Route, reason: str) -> Verdict:
+        return Verdict(route, reason, verdicts[route][4], verdicts[route][3], route in budgeted)
 
     meeting = [r for r in routes if verdicts[r][0] and verdicts[r][1]]
     if "local" in meeting and len(routes) > 1 and _with_margin(
             predicted[1] or 0.0, gaps[1], targets, exposed["local"][0]):
-        return "local", "slo_local_fits", shortfall("local")
+        return verdict("local", "slo_local_fits")
     if len(meeting) > 1 and targets.ttft_s is None:
         # Only the gap is a target and both meet it: the arrival's TTFT is left to win (local
         # within SLACK_TIE). Most gap slack moved short prompts to queue behind long ones on
@@ -92,7 +104,7 @@ def for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | 
         if ttft["local"] <= ttft[best] * (1 + SLACK_TIE):
             best = "local"
         reason = "slo_stall_budget" if best in budgeted else "slo_fastest"
-        return best, reason, shortfall(best)
+        return verdict(best, reason)
     if meeting:
         # Most slack; within SLACK_TIE a tie, taken by local: moving the KV would occupy a
         # second engine and the link for what the fits cannot tell apart.
@@ -100,17 +112,17 @@ def for_targets(inputs: RouteInputs, targets: Targets, predicted: tuple[float | 
         if "local" in meeting and verdicts[best][2] - verdicts["local"][2] < SLACK_TIE:
             best = "local"
         if best in budgeted:
-            return best, "slo_stall_budget", shortfall(best)
+            return verdict(best, "slo_stall_budget")
         if len(meeting) == len(routes):
-            return best, "slo_most_slack", shortfall(best)
+            return verdict(best, "slo_most_slack")
         other = next(r for r in routes if r != best)
         reason = "slo_protects_streams" if not verdicts[other][1] else "slo_ttft_target"
-        return best, reason, shortfall(best)
+        return verdict(best, reason)
     # Goodput counts requests: an arrival late either way loses nothing more by waiting, the
     # streams a local prefill stalls would be lost with it (SmolLM2, goodput_mixed_s39).
     best = min(routes, key=lambda r: (verdicts[r][4], verdicts[r][3],
                                       predicted[index[r]] or 0.0))
-    return best, "slo_least_violation", shortfall(best)
+    return verdict(best, "slo_least_violation")
 
 
 def _with_margin(ttft: float, gap: float | None, targets: Targets, streams: int) -> bool:
