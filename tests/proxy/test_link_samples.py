@@ -29,6 +29,8 @@ async def test_a_hand_over_queued_behind_a_local_prefill_is_not_a_link_sample(pr
         decode.decode_gate = gate = asyncio.Event()  # the local prompt: computing, no token yet
         held = asyncio.create_task(c.post(lp.url + "/v1/completions", json=body(SHORT)))
         await wait_until(lambda: costs.queued_tokens(pair[1]) == len(SHORT), "local queued")
+        # (The proxy queues it before sending: the gate is taken when the engine has it.)
+        await wait_until(lambda: len(decode.decode_requests) == 1, "local at the engine")
         decode.decode_gate = None
         r = await c.post(lp.url + "/v1/completions", json=body(LONG))
         assert r.status_code == 200 and r.headers["x-pd-route"] == "disaggregated"
