@@ -99,9 +99,12 @@ class DecodeLeg:
                     "decode", self.trace.t_decode_sent, headers, engine=decode.name,
                     route=self.route)
             try:
+                headers_s, loop = self._deadlines.headers_s, asyncio.get_running_loop()
+                if not self.req.stream and self.req.deadline is not None:  # (its headers come
+                    # with its last token: a whole reply is bounded by the request's deadline)
+                    headers_s = max(headers_s, self.req.deadline - loop.time())
                 stream = await decode.client.open_stream(
-                    self.req.path, self.body, headers, self._deadlines.headers_s,
-                    self._deadlines.idle_s)
+                    self.req.path, self.body, headers, headers_s, self._deadlines.idle_s)
                 if stream.status < 500:
                     break
                 failed = await stream.read_and_close()
@@ -117,7 +120,7 @@ class DecodeLeg:
                     self._recompute_instead(exc.delivered)
             except EngineTimeout:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
-                if self.handoff is not None:
+                if self.handoff is not None and self.req.stream:
                     # Resumed, the engine may drop the request before vLLM's serving layer sees
                     # its hand-off (then nothing frees the prefill's blocks before the lease).
                     self.release_blocks()
@@ -283,7 +286,9 @@ class DecodeLeg:
     def release_blocks(self) -> None:
         """The decode request was given up before its engine answered (the client left, or the
         engine missed the headers deadline): its hand-off is read in the background
-        (:func:`proxy.prefill_leg.release_handoff`)."""
+        (:func:`proxy.prefill_leg.release_handoff`). Streams only (their headers come before
+        the pull): a whole reply's come with its last token, its KV maybe pulled and freed long
+        before (read again: garbage in the decode engine's cache). vLLM frees an aborted one."""
         release_handoff(self.decode.client, self.req.path, release_body(self.body),
                         self.req.request_id, self.read_by, self._background)
 

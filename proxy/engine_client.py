@@ -72,8 +72,13 @@ class EngineStream:
             raise _unreachable(self._name, exc) from exc
 
     async def read_and_close(self) -> bytes:
+        """The (error) body, within ``idle_s``: an engine that stalls in it gives none (its
+        status says what happened)."""
         try:
-            return await self.read_all()
+            async with asyncio.timeout(self._idle_s):
+                return await self.read_all()
+        except TimeoutError:
+            return b""
         finally:
             self.close()
 
@@ -82,7 +87,12 @@ class EngineStream:
         TimeoutError at ``deadline`` (``loop.time()``: the whole request's)."""
         response, loop = self._response, asyncio.get_running_loop()
         while True:
-            idle_at = loop.time() + self._idle_s
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                # (A read of bytes already buffered never waits: a client slower than the
+                # engine would never see the timer fire.)
+                raise TimeoutError("the request's deadline passed")
+            idle_at = now + self._idle_s
             try:
                 # A timer per read: the time the consumer takes with a chunk is not counted, and
                 # the timer cancels this read only (never the consumer, between reads).

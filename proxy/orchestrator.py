@@ -76,6 +76,9 @@ class Stream:
     #: were written): closing a generator that never started runs none of its cleanup, so this
     #: closes the decode request and releases its claim instead.
     abandon: Callable[[], None]
+    #: The request's deadline (``loop.time()``): a client that stops taking the stream does
+    #: not hold it past that.
+    deadline: float | None = None
 
 
 class Orchestrator:
@@ -210,7 +213,8 @@ class Orchestrator:
                 stage = "before_response"
                 if leg.handoff is not None and not leg.answered:
                     stage = "after_prefill"
-                    leg.release_blocks()
+                    if req.stream:  # (a whole reply's KV may be pulled: release_blocks)
+                        leg.release_blocks()
                 self.metrics.client_disconnects_total.labels(stage).inc()
                 raise
             assert req.deadline is not None  # set by serve()
@@ -221,7 +225,7 @@ class Orchestrator:
                 ending.ended(time.perf_counter())
 
             return Stream(leg.route, relay(leg, stream, req.deadline, self.metrics, self.pool),
-                          leg.headers(), leg.decode.name, abandon)
+                          leg.headers(), leg.decode.name, abandon, req.deadline)
         except BaseException:
             if leg is not None:
                 leg.ended(time.perf_counter())

@@ -8,11 +8,12 @@ event for the same hash (kept a while after the engine itself dropped the block)
 
 A block vLLM hashed with more than its tokens (a ``cache_salt``, a LoRA adapter, media: the
 event's extra keys) is keyed with them, so it is never a hit for a prompt without them. A
-prompt is looked up with its ``cache_salt`` (vLLM puts it in block 0's keys); LoRA adapters and
-media are not looked up (their hits go unseen, which only under-reports). A block announced again (vLLM's ``kv_cache_report_mode: full`` re-announces
-reused blocks on every hit) is still one block: its one removal forgets it. A device cache
-reset (vLLM's ``/reset_prefix_cache``) forgets the device tier only: vLLM does not publish the
-offload tier's reset (``reset_external=true``), so after one the index over-reports that tier.
+prompt is looked up with its ``cache_salt`` (vLLM puts it in block 0's keys); LoRA adapters
+and media are not looked up (their hits go unseen, which only under-reports). A block
+announced again (vLLM's ``kv_cache_report_mode: full`` re-announces reused blocks on every
+hit) is still one block: its one removal forgets it. A device cache reset (vLLM's
+``/reset_prefix_cache``) forgets the device tier only: vLLM does not publish the offload
+tier's reset (``reset_external=true``), so after one the index over-reports that tier.
 
 A prompt is looked up by its block keys (:func:`block_keys`, computed where it was tokenized:
 a worker process, off the proxy's event loop); ``cached_keys(keys)`` walks them and returns how

@@ -61,10 +61,32 @@ async def test_hang_up_during_prefill_aborts_it_and_never_calls_decode(
     assert not decode.completion_requests
 
 
-@pytest.mark.parametrize("stream", [True, False])
-async def test_hang_up_before_decode_answers_releases_prefill_blocks(
-    prefill: FakeEngine, decode: FakeEngine, stream: bool
+async def test_hang_up_before_a_whole_reply_answers_reads_no_hand_off_again(
+    prefill: FakeEngine, decode: FakeEngine
 ) -> None:
+    """vLLM sends a whole reply's headers with its last token: the engine may have pulled the
+    KV long before, and the prefill engine freed those blocks. Read again, they would be
+    garbage in the decode engine's prefix cache. The decode request is aborted (vLLM frees a
+    hand-off it had not scheduled yet), and nothing else is sent."""
+    decode.decode_gate = asyncio.Event()
+    async with live_proxy(proxy_config(prefill, decode)) as lp:
+        raw = await RawRequest.send(lp, CHAT_PATH, chat_body(max_completion_tokens=64))
+        async with asyncio.timeout(SETTLE_S):
+            await decode.wait_for_requests(1)
+        await raw.hang_up()
+        async with asyncio.timeout(NOTICE_S):
+            await decode.decode_aborted.wait()
+        await lp.wait_for_metric("pd_client_disconnects_total", 1, stage="after_prefill")
+        await assert_slot_released(lp)
+        await asyncio.sleep(0.2)
+        assert not lp.state.orchestrator._background
+    assert len(decode.decode_requests) == 1
+
+
+async def test_hang_up_before_decode_answers_releases_prefill_blocks(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    stream = True
     decode.decode_gate = gate = asyncio.Event()  # decode holds back even its response headers
     body = chat_body(stream=stream, max_completion_tokens=64,
                      **({"stream_options": {"include_usage": True}} if stream else {}))

@@ -365,13 +365,12 @@ async def test_decode_stall_mid_stream_ends_with_in_band_timeout(
     assert decode.sent_streams[0].count(b"\n\n") == 2
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_decode_never_answers_is_a_504(
-    prefill: FakeEngine, decode: FakeEngine, stream: bool
+async def test_decode_never_answers_a_stream_is_a_504(
+    prefill: FakeEngine, decode: FakeEngine
 ) -> None:
     decode.decode_gate = gate = asyncio.Event()
     async with proxy(prefill, decode, headers_deadline_s=SHORT_S) as client:
-        resp = await client.post(CHAT_PATH, json=chat_body(stream=stream),
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=True),
                                  headers={"x-request-id": "req-504"})
         # The stalled request is closed at once (not when the proxy shuts down) and not
         # retried; in its place a one-token read of the hand-off frees the prefill's blocks
@@ -386,6 +385,26 @@ async def test_decode_never_answers_is_a_504(
     assert_error(resp, 504, "timeout_error")
     assert resp.headers["x-request-id"] == "req-504"
     assert len(decode.decode_requests) == 2
+
+
+async def test_decode_never_answers_a_whole_reply_is_a_504_at_the_total_deadline(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    """A whole reply's headers come with its last token: its time is the request's deadline.
+    It is closed then (vLLM aborts it, and frees a hand-off it had not yet pulled); no read of
+    the hand-off follows, as its KV may have been pulled and freed long before."""
+    decode.decode_gate = gate = asyncio.Event()
+    async with proxy(prefill, decode, headers_deadline_s=SHORT_S,
+                     total_deadline_s=4 * SHORT_S) as client:
+        t0 = time.monotonic()
+        resp = await client.post(CHAT_PATH, json=chat_body(), headers={"x-request-id": "r"})
+        elapsed = time.monotonic() - t0
+        await asyncio.wait_for(decode.decode_aborted.wait(), SETTLE_S)
+        gate.set()
+        await asyncio.sleep(0.1)
+    assert_error(resp, 504, "timeout_error")
+    assert elapsed >= 4 * SHORT_S - 0.05, elapsed
+    assert len(decode.decode_requests) == 1
 
 
 # --- requests refused at the edge -------------------------------------------------------------
