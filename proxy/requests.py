@@ -182,11 +182,10 @@ def check_prompt(prompt: Any) -> None:
 
 def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[str]) -> bool:
     """Validate ``body`` for ``endpoint``; return whether it asks for a stream."""
-    if kv_params.has_client_params(body):
+    if (field := kv_params.client_params(body)) is not None:
         raise InvalidRequest(
-            f"{kv_params.BODY_KEY} is set by the server and may not be sent by clients",
-            param=kv_params.BODY_KEY,
-        )
+            "transfer params (kv_transfer_params, ec_transfer_params) are set by the server "
+            "and may not be sent by clients", param=field)
     model = body.get("model")
     if model is not None:
         if not isinstance(model, str):

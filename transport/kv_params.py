@@ -200,7 +200,7 @@ def drop_late_handoff(params: dict[str, Any] | None, now: float) -> bool:
     """On the decode engine: drop a hand-off whose read-by time is before ``now`` (unix
     seconds), so the engine computes the prompt instead; True when dropped. The read-by key is
     removed either way: only the first look at a request counts."""
-    if not params or not params.get("do_remote_prefill"):
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
         return False
     read_by = params.pop(READ_BY_KEY, None)
     if isinstance(read_by, bool) or not isinstance(read_by, (int, float)) or now <= read_by:
@@ -268,6 +268,24 @@ def with_limits(params: Mapping[str, Any] | None, limits: KVLimits | None
     return {**(params or {}), **extra}
 
 
+#: The engine's transfer params (KV, and encoder cache): set by the server alone.
+_SERVER_KEYS = (BODY_KEY, "ec_transfer_params")
+
+
+def client_params(body: Mapping[str, Any]) -> str | None:
+    """The field through which a client tried to send its own transfer params, or None. Never
+    allowed to reach an engine: they say where it reads KV from (SSRF), and a malformed value
+    kills vLLM's engine core. vLLM also takes them from ``vllm_xargs`` (its ``extra_args``,
+    where the engine reads them: ``vllm.v1.request``)."""
+    for key in _SERVER_KEYS:
+        if key in body:
+            return key
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, Mapping) and any(key in xargs for key in _SERVER_KEYS):
+        return "vllm_xargs"
+    return None
+
+
 def has_client_params(body: Mapping[str, Any]) -> bool:
-    """True when a client tried to send its own params (never allowed to reach an engine: SSRF)."""
-    return BODY_KEY in body
+    """True when a client tried to send its own params (:func:`client_params`)."""
+    return client_params(body) is not None

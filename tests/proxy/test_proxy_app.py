@@ -410,14 +410,24 @@ async def test_decode_never_answers_a_whole_reply_is_a_504_at_the_total_deadline
 # --- requests refused at the edge -------------------------------------------------------------
 
 
+SMUGGLED = {"do_remote_prefill": True, "remote_host": "10.1.2.3", "remote_port": 22,
+            "remote_block_ids": [[1]]}
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"kv_transfer_params": SMUGGLED}, "kv_transfer_params"),
+    ({"ec_transfer_params": {}}, "ec_transfer_params"),
+    # vLLM takes them from its extra_args too; "" there kills the engine core (NIXL's
+    # on_new_request calls .get on it)
+    ({"vllm_xargs": {"kv_transfer_params": ""}}, "vllm_xargs"),
+], ids=["top-level", "encoder cache", "in vllm_xargs"])
 async def test_client_kv_transfer_params_are_refused(
-    prefill: FakeEngine, decode: FakeEngine
+    prefill: FakeEngine, decode: FakeEngine, fields: dict, param: str
 ) -> None:
-    body = chat_body(kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.1.2.3",
-                                         "remote_port": 22, "remote_block_ids": [[1]]})
+    body = chat_body(**fields)
     async with proxy(prefill, decode) as client:
         resp = await client.post(CHAT_PATH, json=body)
-        assert_error(resp, 400, "invalid_request_error", "kv_transfer_params")
+        assert_error(resp, 400, "invalid_request_error", param)
         assert await metric(client, "pd_rejected_total", type="invalid_request_error") == 1
     assert not prefill.completion_requests
     assert not decode.completion_requests

@@ -320,6 +320,11 @@ def test_prefill_request_params() -> None:
         ({"kv_transfer_params": None}, True),  # present at all is refused
         ({"kv_transfer": {}}, False),
         ({}, False),
+        ({"ec_transfer_params": {}}, True),
+        ({"vllm_xargs": {"kv_transfer_params": ""}}, True),  # vLLM's extra_args: the engine's
+        ({"vllm_xargs": {"ec_transfer_params": [1]}}, True),
+        ({"vllm_xargs": {"kv_cache_report_mode": "full"}}, False),
+        ({"vllm_xargs": "kv_transfer_params"}, False),  # (vLLM refuses a non-object itself)
     ],
 )
 def test_has_client_params(body: dict[str, Any], expected: bool) -> None:
