@@ -165,6 +165,8 @@ def estimate_header(plan: Plan) -> str | None:
     decision = plan.decision
     if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
         return None
+    if plan.prefill is None:  # (no such route: its figure would be priors alone)
+        return f"local={decision.predicted_local_s * 1e3:.1f}ms"
     out = (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
            f"local={decision.predicted_local_s * 1e3:.1f}ms")
     if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:

@@ -110,3 +110,15 @@ def test_a_route_taken_for_least_violation_holds_the_stalls_it_spends():
     assert (d.route, d.reason) == ("local", "slo_least_violation")
     assert d.gap_local_s > 0.05
     assert d.stalls == stalls_needed("local", 1000, 512) == 2
+
+
+async def test_no_disaggregated_estimate_without_a_prefill_engine():
+    """The estimate header prices only routes that exist (a route without a prefill engine
+    would be priced from the priors alone)."""
+    from proxy.plan import estimate_header
+
+    _, _, orch = setup(prefills=())
+    plan = await orch.plan(request())
+    assert plan.prefill is None and plan.decision.reason == "prefill_unavailable"
+    header = estimate_header(plan) or ""
+    assert header.startswith("local=") and "disaggregated=" not in header
