@@ -36,6 +36,7 @@ def prefill_body(body: Mapping[str, Any], limits: kv_params.KVLimits | None = No
     out = dict(body)
     out["max_tokens"] = 1
     out.pop("max_completion_tokens", None)
+    out.pop("min_tokens", None)  # (vLLM refuses min_tokens over max_tokens)
     out["stream"] = False
     out.pop("stream_options", None)
     out["return_token_ids"] = True
@@ -61,5 +62,6 @@ def release_body(decode: Mapping[str, Any]) -> dict[str, Any]:
     on the prefill engine (for a client that left before its decode request got out)."""
     out = dict(decode, max_tokens=1, stream=False)
     out.pop("max_completion_tokens", None)
+    out.pop("min_tokens", None)
     out.pop("stream_options", None)
     return out
