@@ -8,6 +8,7 @@ validates the rest (e.g. a prompt longer than the context) and its 4xx is passed
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -122,13 +123,15 @@ def _is_number(v: Any) -> bool:
 #: The roles of the OpenAI chat API (``function`` is its deprecated form of ``tool``).
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 #: Content part types per role; text everywhere, media only from the user.
-_PART_TYPES = {"user": ("text", "image_url", "input_audio", "video_url", "file")}
+_PART_TYPES = {"user": ("text", "image_url", "input_audio", "video_url", "file"),
+               "assistant": ("text", "refusal")}
 
 
 def check_message(i: int, m: Any) -> None:
     """One chat message, as the OpenAI API checks it: a known role; content a string or a list
     of typed parts (``text`` parts with a string ``text``); content may be absent or null only
-    for an assistant message that calls tools; a tool message names its call."""
+    for an assistant message that calls tools (or a function: the deprecated form); a tool
+    message names its call."""
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise InvalidRequest(f"{where} must be an object", param="messages")
@@ -138,7 +141,7 @@ def check_message(i: int, m: Any) -> None:
                              param="messages")
     content = m.get("content")
     if content is None:
-        if role == "assistant" and m.get("tool_calls"):
+        if role == "assistant" and (m.get("tool_calls") or m.get("function_call")):
             return
         raise InvalidRequest(f"{where}.content is required", param="messages")
     if isinstance(content, str):
@@ -180,6 +183,32 @@ def check_prompt(prompt: Any) -> None:
                          "a list of lists of token ids", param="prompt")
 
 
+def check_decode_only(body: Mapping[str, Any], stream: bool) -> None:
+    """Fields the prefill body drops or sets itself (``engine_bodies.prefill_body``): only the
+    decode engine would refuse them, after a whole remote prefill. Checked here instead."""
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and all(
+            v is None or isinstance(v, bool) for v in options.values())):
+        raise InvalidRequest("stream_options must be an object of booleans",
+                             param="stream_options")
+    if not isinstance(body.get("return_token_ids", False), (bool, type(None))):
+        raise InvalidRequest("return_token_ids must be a boolean", param="return_token_ids")
+    least = body.get("min_tokens")
+    if least is not None:
+        most = [v for k in ("max_tokens", "max_completion_tokens") if _is_int(v := body.get(k))]
+        if not _is_int(least) or least < 0 or any(least > v for v in most):
+            raise InvalidRequest("min_tokens must be an integer from 0 to max_tokens",
+                                 param="min_tokens")
+    wanted = body.get("prompt_logprobs")
+    if stream and _is_int(wanted) and (wanted > 0 or wanted == -1):
+        raise InvalidRequest("prompt_logprobs are not available when stream=true",
+                             param="prompt_logprobs")
+    for key in ("frequency_penalty", "presence_penalty"):
+        v = body.get(key)
+        if v is not None and (not _is_number(v) or not -2 <= v <= 2):
+            raise InvalidRequest(f"{key} must be a number in [-2, 2]", param=key)
+
+
 def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[str]) -> bool:
     """Validate ``body`` for ``endpoint``; return whether it asks for a stream."""
     if (field := kv_params.client_params(body)) is not None:
@@ -208,13 +237,16 @@ def check_request(endpoint: Endpoint, body: dict[str, Any], served_models: set[s
             check_message(i, m)
     else:
         check_prompt(body.get("prompt"))
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # (null is unset, as OpenAI and vLLM take it)
+        stream = False
     if not isinstance(stream, bool):
         raise InvalidRequest("stream must be a boolean", param="stream")
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
+        if v is not None and (not _is_int(v) or not 1 <= v < 2**63):
             raise InvalidRequest(f"{key} must be a positive integer", param=key)
+    check_decode_only(body, stream)
     t = body.get("temperature")
     if t is not None and (not _is_number(t) or not 0 <= t <= 2):
         raise InvalidRequest("temperature must be a number in [0, 2]", param="temperature")

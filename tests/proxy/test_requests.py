@@ -199,6 +199,25 @@ BAD: list[tuple[str, Endpoint, dict[str, Any], type[ProxyError], str | None]] = 
      InvalidRequest, "kv_transfer_params"),
     ("client kv_transfer_params null", "completions", {"kv_transfer_params": None},
      InvalidRequest, "kv_transfer_params"),
+    # What only the decode engine would refuse (the prefill body drops or sets it): after a
+    # whole remote prefill, were it not checked here.
+    ("stream_options not an object", "chat", {"stream": True, "stream_options": "yes"},
+     InvalidRequest, "stream_options"),
+    ("stream_options of a non-boolean", "chat",
+     {"stream": True, "stream_options": {"include_usage": "yes"}}, InvalidRequest,
+     "stream_options"),
+    ("return_token_ids not a boolean", "completions", {"return_token_ids": "please"},
+     InvalidRequest, "return_token_ids"),
+    ("min_tokens over max_tokens", "chat", {"max_tokens": 4, "min_tokens": 5}, InvalidRequest,
+     "min_tokens"),
+    ("min_tokens negative", "completions", {"min_tokens": -1}, InvalidRequest, "min_tokens"),
+    ("prompt_logprobs streamed", "completions", {"stream": True, "prompt_logprobs": 1},
+     InvalidRequest, "prompt_logprobs"),
+    ("frequency_penalty over 2", "chat", {"frequency_penalty": 3}, InvalidRequest,
+     "frequency_penalty"),
+    ("presence_penalty under -2", "chat", {"presence_penalty": -2.5}, InvalidRequest,
+     "presence_penalty"),
+    ("max_tokens past int64", "chat", {"max_tokens": 2**63}, InvalidRequest, "max_tokens"),
 ]
 
 
@@ -254,6 +273,13 @@ def test_strictly_parsed_bodies_round_trip() -> None:
       "tool_calls": [{"id": "c1", "type": "function",
                       "function": {"name": "f", "arguments": "{}"}}]},
      {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+    [{"role": "user", "content": "weather?"},  # the deprecated function call
+     {"role": "assistant", "content": None,
+      "function_call": {"name": "get_weather", "arguments": "{}"}},
+     {"role": "function", "name": "get_weather", "content": "sunny"}],
+    [{"role": "user", "content": "x"},
+     {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+     {"role": "user", "content": "ok"}],
 ])
 def test_good_chat_shapes_pass(messages) -> None:
     assert check_request("chat", dict(base("chat"), messages=messages), SERVED) is False
@@ -283,6 +309,10 @@ GOOD: list[tuple[str, Endpoint, dict[str, Any], bool]] = [
      {"max_tokens": 1, "max_completion_tokens": 1, "temperature": 0, "top_p": 1, "n": 1}, False),
     ("sampling upper edges", "completions", {"temperature": 2.0, "top_p": 0.01}, False),
     ("nulls are unset", "chat", {"max_tokens": None, "temperature": None, "top_p": None}, False),
+    ("stream null is unset", "chat", {"stream": None}, False),
+    ("min_tokens up to max_tokens", "chat", {"max_tokens": 4, "min_tokens": 4}, False),
+    ("penalties at their edges", "chat", {"frequency_penalty": -2, "presence_penalty": 2.0},
+     False),
     ("extra fields pass", "chat", {"seed": 1, "logprobs": True, "tools": []}, False),
     ("prompt a list of strings", "completions", {"prompt": ["a", "b"]}, False),
     ("prompt token ids", "completions", {"prompt": [0, 5, 7]}, False),
