@@ -200,7 +200,7 @@ def check_decode_only(body: Mapping[str, Any], stream: bool) -> None:
             raise InvalidRequest("min_tokens must be an integer from 0 to max_tokens",
                                  param="min_tokens")
     wanted = body.get("prompt_logprobs")
-    if stream and _is_int(wanted) and (wanted > 0 or wanted == -1):
+    if stream and isinstance(wanted, int) and (wanted > 0 or wanted == -1):
         raise InvalidRequest("prompt_logprobs are not available when stream=true",
                              param="prompt_logprobs")
     for key in ("frequency_penalty", "presence_penalty"):
