@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -72,11 +73,17 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         finally:
             await app.state.pd.stop()
 
+    expected = None if config.api_key is None else hashlib.sha256(
+        config.api_key.encode()).digest()
+
     def check_key(request: Request) -> None:
-        if config.api_key is None:
+        """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110); compared as
+        digests, in constant time and length."""
+        if expected is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = hashlib.sha256(token.strip().encode()).digest()
+        if not (hmac.compare_digest(given, expected) and scheme.lower() == "bearer"):
             raise Unauthorized("invalid or missing API key")
 
     def guarded(handler: Handler, ops: bool = False) -> Callable[[Request], Awaitable[Response]]:

@@ -502,7 +502,8 @@ async def test_a_bug_on_the_completion_path_is_an_openai_500_without_a_traceback
 async def test_api_key(prefill: FakeEngine, decode: FakeEngine) -> None:
     async with proxy(prefill, decode, api_key="sekret") as client:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "sekret"},
-                        {"authorization": "Bearer sekret2"}):
+                        {"authorization": "Bearer sekret2"}, {"authorization": "Basic sekret"},
+                        {"authorization": "Bearer"}):
             resp = await client.post(CHAT_PATH, json=chat_body(), headers=headers)
             assert_error(resp, 401, "authentication_error")
             resp = await client.get("/v1/models", headers=headers)
@@ -513,6 +514,9 @@ async def test_api_key(prefill: FakeEngine, decode: FakeEngine) -> None:
         resp = await client.post(CHAT_PATH, json=chat_body(), headers=good)
         assert resp.status_code == 200
         assert (await client.get("/v1/models", headers=good)).status_code == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110)
+            resp = await client.get("/v1/models", headers={"authorization": f"{scheme} sekret"})
+            assert resp.status_code == 200
         # Health and metrics stay public by default.
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == 200
