@@ -15,8 +15,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from proxy.admin import RoutingRequest, ScaleRequest, parse_admin
+from proxy.client_io import read_body
 from proxy.errors import InvalidRequest
-from proxy.requests import parse_body
+from proxy.requests import check_request, parse_body
 from proxy.service import ProxyService
 
 
@@ -49,7 +50,7 @@ async def decisions(request: Request, service: ProxyService) -> Response:
     whose id starts so (a benchmark's run), ``?limit=`` at most that many (default 100)."""
     query = request.query_params
     raw = query.get("limit", "100")
-    if not raw.isdigit() or int(raw) < 1:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise InvalidRequest("'limit' must be a positive integer", param="limit")
     return json_response({"decisions": service.orchestrator.decisions.recent(
         int(raw), request_id=query.get("request_id"), prefix=query.get("prefix"))})
@@ -58,7 +59,9 @@ async def decisions(request: Request, service: ProxyService) -> Response:
 async def lookup(request: Request, service: ProxyService) -> Response:
     """How many leading tokens of a prompt (a chat or completions body) each engine holds,
     by tier, according to the proxy's index: what the next decision for it would use."""
-    body = parse_body(await request.body(), service.config.body_limit_bytes)
+    body = parse_body(await _body(request, service), service.config.body_limit_bytes)
+    check_request("chat" if "messages" in body else "completions", body,
+                  set(service.config.served_model_names))
     engines = service.pool.all()
     measured = None
     if service.prompts is not None:
@@ -80,7 +83,7 @@ async def scale(request: Request, service: ProxyService) -> Response:
     newest ones."""
     if service.scaler is None:
         raise InvalidRequest("this deployment cannot scale (dev mode); use pdserve ray")
-    order: ScaleRequest = parse_admin(ScaleRequest, await request.body())
+    order: ScaleRequest = parse_admin(ScaleRequest, await _body(request, service))
     drain_s = order.drain_timeout_s or service.config.total_deadline_s
     return json_response(await service.scale(order.role, order.replicas, drain_s))
 
@@ -94,7 +97,7 @@ async def set_routing(request: Request, service: ProxyService) -> Response:
     """Switch the policy, and the engines' duties, at run time: a ``kv_both`` engine may take
     either duty, an engine of a fixed role left out of its duty's list is cordoned (given
     nothing new). What is in flight finishes as it started."""
-    order: RoutingRequest = parse_admin(RoutingRequest, await request.body())
+    order: RoutingRequest = parse_admin(RoutingRequest, await _body(request, service))
     try:
         policy = order.policy_mode()
     except ValueError as exc:
@@ -105,6 +108,12 @@ async def set_routing(request: Request, service: ProxyService) -> Response:
         return json_response(service.set_routing(policy, order.prefill, order.decode))
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+
+
+async def _body(request: Request, service: ProxyService) -> bytes:
+    """The body, within the size and time limits a request's has."""
+    config = service.config
+    return await read_body(request, config.body_limit_bytes, config.body_read_deadline_s)
 
 
 async def metrics(request: Request, service: ProxyService) -> Response:

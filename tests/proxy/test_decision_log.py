@@ -68,7 +68,7 @@ async def test_the_route_shows_each_requests_decision(prefill: FakeEngine, decod
         assert streamed["policy"] == "threshold:1000" and streamed["prompt_tokens"] > 0
         one = (await client.get("/pd/decisions", params={"request_id": "other"})).json()
         assert [d["request_id"] for d in one["decisions"]] == ["other"]
-        for bad in ("0", "-1", "x"):
+        for bad in ("0", "-1", "x", "\u00b2"):  # (a digit to str.isdigit, not to int)
             assert_error(await client.get("/pd/decisions", params={"limit": bad}), 400,
                          "invalid_request_error", "limit")
 

@@ -258,3 +258,18 @@ async def test_a_salted_prompt_is_measured_with_its_salt(tiny_dir):
         assert not set(salted.keys(BS)) & set(plain.keys(BS))
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("body", [{"prompt": 5}, {"messages": 5}, {"prompt": ""},
+                                  {"model": "other", "prompt": "hi"}])
+async def test_a_bad_lookup_body_is_a_4xx_not_a_500(tiny_dir, prefill, decode, body):
+    """``/pd/lookup`` checks the body as the API routes do."""
+    app = create_app(proxy_config(prefill, decode, tokenizer=tiny_dir))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            resp = await client.post("/pd/lookup", json=body)
+            good = await client.post("/pd/lookup", json={"prompt": "hello there"})
+    assert resp.status_code in (400, 404), resp.text
+    assert resp.json()["error"]["type"] in ("invalid_request_error", "not_found_error")
+    assert good.status_code == 200 and good.json()["prompt_tokens"] > 0
