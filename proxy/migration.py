@@ -37,7 +37,7 @@ from typing import Any
 from proxy.engine_bodies import stated_output_budget
 from proxy.errors import DecodeErrored, DecodeLost, DecodeStalled, ProxyError
 from proxy.metrics import ProxyMetrics
-from proxy.requests import ApiRequest
+from proxy.requests import ApiRequest, is_batch
 from proxy.transcript import Transcript
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ def not_migratable(body: Mapping[str, Any]) -> str | None:
         return "logprobs"
     if body.get("echo"):
         return "echo"
+    if is_batch(body):
+        return "batch"  # (its choices' token ids are interleaved in one stream)
     if body.get("stop"):
         return "stop_strings"
     format_ = body.get("response_format")

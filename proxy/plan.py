@@ -26,7 +26,7 @@ from proxy.errors import NoEngineAvailable
 from proxy.pair_choice import PairOption, best_pair
 from proxy.policy import Decision, PolicyMode, RouteInputs, Targets, decide
 from proxy.pool import Engine, EnginePool
-from proxy.requests import ApiRequest
+from proxy.requests import ApiRequest, is_batch
 from proxy.tokens import PromptTokens
 
 
@@ -103,6 +103,8 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
         decision = decided(decode, prefill)
     if req.force_route is not None and (req.force_route == "local" or prefill is not None):
         decision = replace(decision, route=req.force_route, reason="forced")
+    if is_batch(req.body):  # (one hand-off for several prompts: see ``is_batch``)
+        decision = replace(decision, route="local", reason="prompt_batch")
     return Plan(decision, prefill, decode, prompt_chars, tokens, cached(decode), output_budget,
                 targets)
 

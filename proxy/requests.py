@@ -164,6 +164,13 @@ def check_message(i: int, m: Any) -> None:
                              param="messages")
 
 
+def is_batch(body: Mapping[str, Any]) -> bool:
+    """A completions request of several prompts. vLLM's prefill reply carries the first one's
+    hand-off only: a batch is computed where it is decoded."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not _is_int(prompt[0])
+
+
 def check_prompt(prompt: Any) -> None:
     """A completions prompt as the OpenAI API takes it: a string, a list of strings, a list of
     token ids, or a list of lists of token ids; none of them empty."""

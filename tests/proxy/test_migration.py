@@ -262,6 +262,7 @@ async def test_with_no_other_decode_engine_the_stream_ends_with_the_in_band_erro
 @pytest.mark.parametrize("extra, why", [
     ({"logprobs": 1}, "logprobs"),
     ({"echo": True}, "echo"),
+    ({"prompt": ["one", "two"]}, "batch"),
     ({"stop": ["\n"]}, "stop_strings"),
     ({"response_format": {"type": "json_object"}}, "structured_output"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_output"),

@@ -247,6 +247,22 @@ async def assert_served_locally(
                         status="200") == 1
 
 
+@pytest.mark.parametrize("prompt", [["The capital of France is", "Two plus two is"],
+                                    [[1, 2, 3], [4, 5, 6]]])
+async def test_a_batch_of_prompts_is_computed_where_it_is_decoded(
+    prefill: FakeEngine, decode: FakeEngine, prompt: list
+) -> None:
+    """vLLM's prefill reply carries the first prompt's hand-off only: the decode engine would
+    read that prompt's blocks for every prompt of the batch."""
+    async with proxy(prefill, decode) as client:  # (policy: always disaggregate)
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(prompt=prompt))
+        assert resp.status_code == 200 and resp.headers["x-pd-route"] == "local"
+        one = await client.post(COMPLETIONS_PATH, json=completions_body(prompt=prompt[:1]))
+        assert one.headers["x-pd-route"] == "disaggregated"
+    assert len(prefill.prefill_requests) == 1
+    assert "kv_transfer_params" not in decode.decode_requests[0].body
+
+
 async def test_prefill_500_falls_back(prefill: FakeEngine, decode: FakeEngine) -> None:
     prefill.prefill_status = 500
     async with proxy(prefill, decode) as client:
