@@ -38,7 +38,6 @@ from proxy.errors import (
     ProxyError,
     RouteNotFound,
     Unauthorized,
-    UpstreamError,
 )
 from proxy.hot_paths import HotPaths, hot_route
 from proxy.ops_routes import json_response
@@ -152,7 +151,7 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
             return error_response(err, request_id)
         except Exception:  # never a stack trace to the client
             log.exception("request %s failed", request_id)
-            internal = UpstreamError("internal error while serving the request")
+            internal = InternalError("internal error while serving the request")
             service.metrics.requests_total.labels(endpoint, "none", str(internal.status)).inc()
             if spans is not None:
                 spans.failed(internal.status, internal.type)

@@ -512,6 +512,22 @@ async def test_a_bug_on_the_completion_path_is_an_openai_500_without_a_traceback
     assert not prefill.completion_requests and not decode.completion_requests
 
 
+async def test_a_bug_while_serving_is_a_500_not_an_engines_502(
+    prefill: FakeEngine, decode: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No engine failed: the 502 ``upstream_error`` would send an operator after one."""
+    from proxy.orchestrator import Orchestrator
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise OverflowError("a bug")
+
+    monkeypatch.setattr(Orchestrator, "serve", broken)
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body())
+    assert_error(resp, 500, "internal_error")
+    assert "a bug" not in resp.text
+
+
 # --- auth, models, health ---------------------------------------------------------------------
 
 
