@@ -11,12 +11,13 @@ from its prefix cache to a plain request for the same prompt; the only trace was
 in the prefill engine's log ("Potentially invalid KV blocks ... may have expired").
 
 The proxy therefore sends each hand-off with a read-by time (``kv_params.READ_BY_KEY``: when it
-received the hand-off plus 80 % of the lease). This connector checks it the first time its
-scheduler sees the request; past it, the hand-off is dropped (no read, no notification: the
-prefill has let the blocks go) and the engine computes the prompt itself. Once the request is in
-the scheduler, vLLM's heartbeats extend the prefill's lease while it waits, so that first look
-is the one that matters. Clocks: proxy and decode nodes are assumed NTP-synchronised to well
-under the 20 % margin.
+received the hand-off plus 80 % of the lease). This connector checks it when the request
+arrives in its scheduler (``on_new_request``); past it, the hand-off is dropped (no read, no
+notification, no heartbeat: the prefill has let the blocks go) and the engine computes the
+prompt itself. From its arrival on, vLLM's heartbeats extend the prefill's lease while the
+request waits, however long a busy engine keeps it waiting (vLLM does not even look at a
+request's KV until a run slot is free): the arrival is the one look that matters. Clocks:
+proxy and decode nodes are assumed NTP-synchronised to well under the 20 % margin.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ MODULE_PATH = __name__
 
 
 class NixlConnector(_VllmNixlConnector):
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
+    def on_new_request(self, request: Any) -> None:
+        # Before vLLM's own look: a dropped hand-off gets no heartbeats.
         if kv_params.drop_late_handoff(request.kv_transfer_params, time.time()):
             log.warning("request %s: its prefill hand-off arrived after its read-by time; "
                         "computing the prompt instead of reading blocks that may be reused",
                         request.request_id)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        super().on_new_request(request)

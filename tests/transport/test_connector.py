@@ -116,7 +116,41 @@ def test_both_connector_modules_load_and_check_the_read_by_time():
     for module in ("transport.nixl_lease", "transport.nixl_cpu"):
         cls = importlib.import_module(module).NixlConnector
         assert issubclass(cls, nixl_lease.NixlConnector)
-        assert cls.get_num_new_matched_tokens is nixl_lease.NixlConnector.get_num_new_matched_tokens
+        assert cls.on_new_request is nixl_lease.NixlConnector.on_new_request
+
+
+def test_the_read_by_time_is_checked_on_arrival_not_when_scheduled(monkeypatch):
+    """vLLM's scheduler tells the connector of a request when it arrives, and from then on
+    its heartbeats keep the prefill's blocks; it asks for its KV only when a run slot is free,
+    maybe long after. A hand-off that arrived in time is read however long it waited; a late
+    one is dropped before vLLM registers heartbeats for it."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as Vllm
+
+    from transport import kv_params, nixl_lease
+
+    seen: list[dict] = []
+    monkeypatch.setattr(Vllm, "on_new_request",
+                        lambda self, request: seen.append(dict(request.kv_transfer_params)))
+    monkeypatch.setattr(Vllm, "get_num_new_matched_tokens",
+                        lambda self, request, n: (len(request.kv_transfer_params), False))
+    connector = object.__new__(nixl_lease.NixlConnector)  # (no engine: the hooks only)
+    now = 1000.0
+    monkeypatch.setattr(nixl_lease.time, "time", lambda: now)
+
+    def request(read_by: float) -> SimpleNamespace:
+        return SimpleNamespace(request_id="r", kv_transfer_params={
+            "do_remote_prefill": True, "remote_block_ids": [[1]], kv_params.READ_BY_KEY: read_by})
+
+    waited = request(read_by=now + 5)
+    connector.on_new_request(waited)  # arrived in time ...
+    now += 60  # ... and waited a minute for a run slot
+    connector.get_num_new_matched_tokens(waited, 0)
+    assert waited.kv_transfer_params["do_remote_prefill"] is True
+    late = request(read_by=now - 1)
+    connector.on_new_request(late)
+    assert seen[-1]["do_remote_prefill"] is False and "remote_block_ids" not in seen[-1]
 
 
 def test_a_late_handoff_is_dropped_and_an_early_one_kept():
