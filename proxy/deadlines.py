@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 from dataclasses import dataclass
 
 
@@ -27,3 +29,9 @@ class Deadlines:
         for name in ("prefill_s", "headers_s", "idle_s", "total_s", "handoff_max_age_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+
+
+def seconds_left(deadline: float | None) -> float:
+    """Seconds to a request's ``deadline`` (``loop.time()``; None: it has none). Each stage's
+    own deadline is cut to it: no stage runs a request past its end."""
+    return math.inf if deadline is None else deadline - asyncio.get_running_loop().time()

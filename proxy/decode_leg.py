@@ -5,21 +5,21 @@ A :class:`DecodeLeg` holds the request's claim on its decode engine from the pla
 one place it is released: :meth:`whole` (a reply read in full), :func:`proxy.relay.relay` (a
 stream, when it ends however it ends), or the orchestrator when the request fails before either
 (``claim.release`` is idempotent). Call order: ``open()`` once, then ``whole()`` or the relay;
-``first_byte(now)`` when the client has its first bytes; ``release_blocks()`` only for a decode
-request given up after its prefill but before the decode engine answered.
+``first_byte(now)`` when the client has its first bytes; ``release_blocks()``: see there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
 from prometheus_client import Histogram
 
 from proxy.costs import RouteCosts
-from proxy.deadlines import Deadlines
+from proxy.deadlines import Deadlines, seconds_left
 from proxy.engine_bodies import decode_body, release_body
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
 from proxy.errors import (
@@ -99,10 +99,9 @@ class DecodeLeg:
                     "decode", self.trace.t_decode_sent, headers, engine=decode.name,
                     route=self.route)
             try:
-                headers_s, loop = self._deadlines.headers_s, asyncio.get_running_loop()
-                if not self.req.stream and self.req.deadline is not None:  # (its headers come
-                    # with its last token: a whole reply is bounded by the request's deadline)
-                    headers_s = max(headers_s, self.req.deadline - loop.time())
+                # (A whole reply's headers come with its last token: the request's deadline.)
+                headers_s = min(self._deadlines.headers_s if self.req.stream else math.inf,
+                                seconds_left(self.req.deadline))
                 stream = await decode.client.open_stream(
                     self.req.path, self.body, headers, headers_s, self._deadlines.idle_s)
                 if stream.status < 500:
@@ -124,7 +123,9 @@ class DecodeLeg:
                     # Resumed, the engine may drop the request before vLLM's serving layer sees
                     # its hand-off (then nothing frees the prefill's blocks before the lease).
                     self.release_blocks()
-                raise StageTimeout("the decode engine did not answer in time") from None
+                raise (RequestDeadline("the request did not finish within its deadline")
+                       if seconds_left(self.req.deadline) <= 0 else StageTimeout(
+                           "the decode engine did not answer in time")) from None
         self.answered = True
         if stream.status != 200:
             raise from_engine_error(stream.status, await stream.read_and_close())
@@ -149,9 +150,8 @@ class DecodeLeg:
 
     def _recompute_instead(self, delivered: bool) -> None:
         """Drop the hand-off: the next decode engine computes the prompt itself. Used when the
-        engine that failed may have read the KV already (its read frees the prefill's blocks,
-        which may then hold another request's KV), or when the prefill's lease on them is
-        nearly over: a late read of blocks reused meanwhile would be silent garbage."""
+        engine that failed may have read the KV already (its read freed the prefill's blocks),
+        or when the prefill's lease on them is nearly over (a late read: silent garbage)."""
         reason = "handoff_maybe_read" if delivered else "handoff_expired"
         log.warning("%s: the retry computes the prompt (%s)", self.req.request_id, reason)
         self._metrics.fallbacks_total.labels(reason).inc()
@@ -297,3 +297,4 @@ class DecodeLeg:
         if (estimate := estimate_header(self.plan)) is not None:
             headers["x-pd-estimate"] = estimate
         return headers
+

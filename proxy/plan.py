@@ -163,18 +163,17 @@ def streams_beside_prefill(costs: RouteCosts, prefill: Engine, now: float) -> in
 
 def estimate_header(plan: Plan) -> str | None:
     """Each route's predicted TTFT and, with streams decoding beside, the gap it puts in them
-    and the stalls over their target they could still take."""
-    decision = plan.decision
-    if decision.predicted_disaggregated_s is None or decision.predicted_local_s is None:
+    and the stalls over their target they could still take. Routes that exist only: without a
+    prefill engine the disaggregated figures would be priors alone."""
+    d = plan.decision
+    if d.predicted_disaggregated_s is None or d.predicted_local_s is None:
         return None
-    if plan.prefill is None:  # (no such route: its figure would be priors alone)
-        return f"local={decision.predicted_local_s * 1e3:.1f}ms"
-    out = (f"disaggregated={decision.predicted_disaggregated_s * 1e3:.1f}ms; "
-           f"local={decision.predicted_local_s * 1e3:.1f}ms")
-    if decision.gap_disaggregated_s is not None and decision.gap_local_s is not None:
-        out += (f"; gap_disaggregated={decision.gap_disaggregated_s * 1e3:.1f}ms"
-                f"; gap_local={decision.gap_local_s * 1e3:.1f}ms"
-                f"; stall_room={decision.stall_room}")
-    if decision.gap_prefill_s is not None:  # the prefill engine's own streams (one pool)
-        out += f"; gap_prefill_engine={decision.gap_prefill_s * 1e3:.1f}ms"
-    return out
+    both = plan.prefill is not None
+    parts = ([f"disaggregated={d.predicted_disaggregated_s * 1e3:.1f}ms"] if both else []) + [
+        f"local={d.predicted_local_s * 1e3:.1f}ms"]
+    if d.gap_disaggregated_s is not None and d.gap_local_s is not None:
+        parts += ([f"gap_disaggregated={d.gap_disaggregated_s * 1e3:.1f}ms"] if both else []) + [
+            f"gap_local={d.gap_local_s * 1e3:.1f}ms", f"stall_room={d.stall_room}"]
+    if d.gap_prefill_s is not None and both:  # the prefill engine's own streams (one pool)
+        parts.append(f"gap_prefill_engine={d.gap_prefill_s * 1e3:.1f}ms")
+    return "; ".join(parts)

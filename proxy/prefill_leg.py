@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 
 from proxy.costs import RouteCosts
-from proxy.deadlines import Deadlines
+from proxy.deadlines import Deadlines, seconds_left
 from proxy.engine import EngineLost
 from proxy.engine_bodies import prefill_body
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
-from proxy.errors import from_engine_error
+from proxy.errors import RequestDeadline, from_engine_error
 from proxy.ledger import Ledger
 from proxy.metrics import ProxyMetrics
 from proxy.plan import Plan
@@ -60,7 +60,7 @@ class PrefillLeg:
                 with prefill.given_up_when_down():
                     reply = await prefill.client.post_json(
                         req.path, prefill_body(req.body, req.kv_limits), headers,
-                        self.deadlines.prefill_s)
+                        min(self.deadlines.prefill_s, seconds_left(req.deadline)))
                 if 400 <= reply.status < 500:
                     raise from_engine_error(reply.status, reply.body)
                 if reply.status != 200:
@@ -74,6 +74,9 @@ class PrefillLeg:
             except EngineLost:  # marked down by a probe (or another request) meanwhile
                 return self._fallback("prefill_lost")
             except EngineTimeout:
+                if seconds_left(req.deadline) <= 0:  # (no time left to compute it locally)
+                    raise RequestDeadline("the request did not finish within its deadline"
+                                          ) from None
                 return self._fallback("prefill_timeout")
             except kv_params.HandoffError:
                 return self._fallback("bad_handoff")

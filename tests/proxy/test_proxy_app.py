@@ -674,3 +674,19 @@ async def test_a_traced_request_sends_its_span_context_to_both_engines(
         _, trace_id, span_id, _ = engine.headers["traceparent"].split("-")
         assert int(trace_id, 16) == root.context.trace_id
         assert int(span_id, 16) == spans[name].context.span_id
+
+
+async def test_a_hung_prefill_does_not_run_a_request_past_its_deadline(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    """The prefill's own deadline (10 s here) is cut to what is left of the request's (0.6 s),
+    and no local prefill follows that the deadline has no room for."""
+    prefill.prefill_gate = gate = asyncio.Event()
+    async with proxy(prefill, decode, headers_deadline_s=0.6, total_deadline_s=0.6) as client:
+        t0 = time.monotonic()
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=True))
+        elapsed = time.monotonic() - t0
+        gate.set()
+    assert_error(resp, 504, "timeout_error")
+    assert elapsed < 3, elapsed
+    assert not decode.decode_requests
