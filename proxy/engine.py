@@ -76,6 +76,14 @@ class Engine:
         """Whether the engine's role allows ``duty`` (assigned or not)."""
         return self.role in (duty, "both")
 
+    @property
+    def open(self) -> bool:
+        """Whether it may be sent new work of any kind (a warm-up, a probe): up, not draining,
+        and not cordoned (a fixed-role engine left out of its role's duty: ``EnginePool.assign``;
+        a ``both`` engine without a duty now is still warmed for the duties it may be given)."""
+        return self.healthy and not self.draining and (self.role == "both"
+                                                       or self.role in self.duties)
+
     def update_load(self, metrics_text: str) -> int:
         """Take in a look at the engine's metrics; the KV pulls that failed since the last
         look (the first look is the baseline)."""

@@ -32,7 +32,7 @@ from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
 from proxy.scale_down import drain
 from proxy.tokenizer_pool import TokenizerPool
-from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_engine, warm_up_pairs
+from proxy.warmup import reprobe_links, reprobe_sizes, warm_up_at_start, warm_up_engine
 
 if TYPE_CHECKING:
     from proxy.tracing import Tracing
@@ -200,14 +200,14 @@ class ProxyService:
     async def _warm_up(self) -> None:
         """Handshake every pair, seed the cost model, report ready, then keep links measured."""
         model = self.config.served_model_names[0]
+        # An engine that joins or comes back pays its handshakes before users do (a restarted
+        # engine has a new NIXL agent: every pair handshakes again); from the start, so that
+        # one only up once the start-up warm-up is past its pairs is warmed too.
+        self.pool.on_up = lambda engine: self._spawn(warm_up_engine(self.pool, engine, model))
         try:
-            await warm_up_pairs(self.pool, model)
-            await probe_routes(self.orchestrator, model, self.config.probe_tokens)
+            await warm_up_at_start(self.orchestrator, model, self.config.probe_tokens)
         finally:
             self.warmed = True  # failures are logged; requests are served either way
-            # From now on an engine that joins or comes back pays its handshakes before users
-            # do (a restarted engine has a new NIXL agent: every pair handshakes again).
-            self.pool.on_up = lambda engine: self._spawn(warm_up_engine(self.pool, engine, model))
         if self.config.reprobe_s > 0 and self.config.probe_tokens:
             await reprobe_links(self.orchestrator, model,
                                 reprobe_sizes(self.config.probe_tokens), self.config.reprobe_s)

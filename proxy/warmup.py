@@ -18,8 +18,32 @@ _PROBE_WORDS = ("alpha", "river", "stone", "orbit", "maple", "signal", "harbor",
 _WARMUP_PROMPT = " ".join(["warm up the prefill to decode path"] * 24)
 
 
+#: The most the start-up warm-up (handshakes, then the cost model's probes) may hold the proxy
+#: not ready; past it what is left is skipped: users' first requests pay those handshakes, and
+#: the cost model starts from its priors.
+START_DEADLINE_S = 300.0
+
+
+async def warm_up_at_start(orchestrator, model: str, probe_tokens: tuple[int, ...], *,
+                           timeout_s: float = START_DEADLINE_S) -> bool:
+    """:func:`warm_up_pairs`, then :func:`probe_routes`, within ``timeout_s`` overall; True
+    when every handshake succeeded in time."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            ok = await warm_up_pairs(orchestrator.pool, model)
+            await probe_routes(orchestrator, model, probe_tokens)
+            return ok
+    except TimeoutError:
+        log.warning("start-up warm-up not over within %.0fs: the rest is skipped", timeout_s)
+        return False
+
+
 async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.0) -> bool:
-    """Run one P/D completion per healthy prefill x decode pair; True when all succeeded."""
+    """Run one P/D completion per pair of open engines (``Engine.open``: up, neither draining
+    nor cordoned), once a decode engine is up (waited for up to ``timeout_s``); True when all
+    succeeded. Each pair is judged when its turn comes (an engine may go down meanwhile); a
+    pair with an engine being warmed on its own (it came up meanwhile: :func:`warm_up_engine`)
+    is left to that warm-up."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not pool.ready:
         if asyncio.get_running_loop().time() > deadline:
@@ -27,7 +51,8 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
         await asyncio.sleep(0.2)
     ok = True
     for p, d in pool.pairs():
-        ok &= await _warm_pair(p.client, d.client, model)
+        if p.open and d.open and not (p.warming or d.warming):
+            ok &= await _warm_pair(p.client, d.client, model)
     log.info("warm-up %s", "done" if ok else "failed")
     return ok
 
@@ -130,11 +155,16 @@ async def probe_routes(orchestrator, model: str, probe_tokens: tuple[int, ...]) 
     Probes go through the orchestrator like user requests (so they measure exactly what users
     see) with the route forced. Prompts are random so no engine has them cached.
     """
+    pool = orchestrator.pool
     for _ in range(2):  # twice: the first round still pays one-off warm-up costs
         for n in probe_tokens:
-            for p, d in orchestrator.pool.pairs():
+            # Pairs of open engines only, judged at their turn: a probe through an engine that
+            # is down (hung, say) would wait out the prefill deadline, the proxy not ready.
+            for p, d in pool.pairs():
                 for route in ("local", "disaggregated"):
-                    await _probe(orchestrator, model, n, route, prefill=p, decode=d)
-            if not orchestrator.pool.pairs():  # no prefill-capable engine: local only
-                for d in orchestrator.pool.decode:
-                    await _probe(orchestrator, model, n, "local", decode=d)
+                    if p.open and d.open:
+                        await _probe(orchestrator, model, n, route, prefill=p, decode=d)
+            if not pool.pairs():  # no prefill-capable engine: local only
+                for d in pool.decode:
+                    if d.open:
+                        await _probe(orchestrator, model, n, "local", decode=d)
