@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from proxy.duties import assigned_duties
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
@@ -99,20 +100,7 @@ class EnginePool:
         not named for its role's duty is cordoned: it finishes what it has and is given nothing
         new (an engine that restarts or joins comes with its role's duty). Naming an engine for
         a duty its role cannot do, or leaving no engine to decode, is a ValueError."""
-        names = {e.name: e for e in self.engines}
-        for name in (*prefill, *decode):
-            if name not in names:
-                raise ValueError(f"no engine named {name!r}")
-        for name in prefill:
-            if not names[name].can("prefill"):
-                raise ValueError(f"{name} ({names[name].role}) cannot prefill for others")
-        for name in decode:
-            if not names[name].can("decode"):
-                raise ValueError(f"{name} ({names[name].role}) cannot decode")
-        new = {e.name: frozenset(d for d, listed in (("prefill", prefill), ("decode", decode))
-                                 if e.name in listed) for e in self.engines}
-        if not any("decode" in duties for duties in new.values()):
-            raise ValueError("at least one engine must decode")
+        new = assigned_duties(self.engines, prefill, decode)
         for e in self.engines:
             e.duties = new[e.name]
 
