@@ -245,7 +245,9 @@ class EnginePool:
             await self.look(engine)
 
     async def probe(self, engine: Engine) -> bool:
-        """Health check, then a look at the engine's own metrics."""
+        """Health check, then a look at the engine's own metrics. Raises nothing (but a cancel):
+        anything unforeseen is logged and the probe failed, so that one engine's odd answer
+        cannot stop the probing of the others."""
         try:
             status, _ = await engine.client.get_text("/health", self._health_timeout_s)
             ok = status == 200
@@ -262,6 +264,9 @@ class EnginePool:
             if (engine.healthy and engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN
                     and await engine.client.connects(self._health_timeout_s)):
                 return True
+            ok = False
+        except Exception:
+            log.exception("probe of engine %s failed; counted as a failed look", engine.name)
             ok = False
         else:
             engine.slow_probes = 0
