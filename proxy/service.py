@@ -110,15 +110,15 @@ class ProxyService:
             self._start_feed(engine)
         if self.directory is not None:
             await self.discover()
-            self._tasks.append(asyncio.create_task(self._discovery_loop()))
+            self._tasks.append(self._background(self._discovery_loop(), "discovery"))
         if self.config.loop_lag_probe_s > 0:
-            self._tasks.append(asyncio.create_task(watch_loop_lag(
-                self.metrics.event_loop_lag_seconds, self.config.loop_lag_probe_s)))
+            self._tasks.append(self._background(watch_loop_lag(
+                self.metrics.event_loop_lag_seconds, self.config.loop_lag_probe_s), "loop lag"))
         await self.pool.probe_all()
-        self._tasks.append(
-            asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
+        self._tasks.append(self._background(
+            self.pool.run_health_loop(self.config.health_interval_s), "health"))
         if not self.warmed:
-            self._tasks.append(asyncio.create_task(self._warm_up()))
+            self._tasks.append(self._background(self._warm_up(), "warm-up"))
         # Everything built so far lives as long as the proxy (the app, the tokenizer, the
         # modules under them; ~380k objects when transformers brought torch in). Frozen, the
         # garbage collector no longer walks them: a full collection held the loop 130-180 ms.
@@ -131,8 +131,9 @@ class ProxyService:
     # -- membership -------------------------------------------------------------------------
     def _start_feed(self, engine: Engine) -> None:
         if engine.events_endpoint:
-            self._feeds[engine] = asyncio.create_task(
-                run_feed(engine.events_endpoint, engine.index, self._zmq))
+            self._feeds[engine] = self._background(
+                run_feed(engine.events_endpoint, engine.index, self._zmq),
+                f"KV events of {engine.name}")
 
     async def discover(self) -> None:
         """Reconcile the pool with the directory: new engines get a KV-event feed and a health
@@ -214,20 +215,37 @@ class ProxyService:
 
     def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` in the background until it ends or the proxy stops."""
-        task = asyncio.get_running_loop().create_task(work)
+        task = self._background(work, "engine warm-up")
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 
+    @staticmethod
+    def _background(work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """A task for ``work``, whose death by an exception is logged when it happens (nobody
+        awaits it before :meth:`stop`)."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        task.add_done_callback(_report_death)
+        return task
+
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._feeds.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.session.close()
-        if self.prompts is not None:
-            await self.prompts.close()
-        if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
-        self._zmq.term()
+        """Cancel every task, then close everything, each close whatever came before it."""
+        async with contextlib.AsyncExitStack() as closing:  # closes last pushed first
+            closing.callback(self._zmq.term)
+            if self.tracing is not None:  # flushes the last spans
+                closing.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
+            if self.prompts is not None:
+                closing.push_async_callback(self.prompts.close)
+            closing.push_async_callback(self.session.close)
+            tasks = [*self._tasks, *self._feeds.values()]
+            for task in tasks:
+                task.cancel()
+            ended = await asyncio.gather(*tasks, return_exceptions=True)
+            for task, result in zip(tasks, ended):
+                if isinstance(result, Exception):  # (not a cancel: a BaseException)
+                    log.error("background task %s had failed: %r", task.get_name(), result)
+
+
+def _report_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("background task %s died; the proxy goes on without it", task.get_name(),
+                  exc_info=exc)
