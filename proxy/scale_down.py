@@ -29,7 +29,7 @@ async def drain(pool: EnginePool, names: Sequence[str], timeout_s: float) -> boo
     for e in pool.all():
         if e.name in names:
             for stream in list(e.open_streams):
-                stream.close()
+                stream.move()  # continued elsewhere; the engine is not marked down for it
                 cut += 1
     log.warning("drain of %s timed out: %d streams moved to other engines", ", ".join(names),
                 cut)

@@ -58,13 +58,16 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
 
 
 async def warm_up_engine(pool: EnginePool, engine: Engine, model: str) -> bool:
-    """Pay a (re)joined engine's handshakes with every healthy engine of the other role, while
-    it is marked ``warming`` (routing prefers the others meanwhile); True when all succeeded."""
+    """Pay a (re)joined engine's handshakes with every open engine (``Engine.open``) of the
+    other role, while it is marked ``warming`` (routing prefers the others meanwhile); True when
+    all succeeded. An engine draining or cordoned itself is sent nothing."""
+    if not engine.open:  # draining or cordoned (and come back up): nothing new, nor this
+        return True
     engine.warming = True
     t0 = time.perf_counter()
     try:
         pairs = [(p, d) for p, d in pool.pairs() if engine in (p, d)
-                 and (p if d is engine else d).healthy]
+                 and (p if d is engine else d).open]
         ok = True
         for p, d in pairs:
             ok &= await _warm_pair(p.client, d.client, model)
@@ -108,7 +111,7 @@ async def reprobe_links(orchestrator, model: str, probe_tokens: tuple[int, ...],
         for p, d in pool.pairs():
             key = (p.name, d.name)
             count = costs.link_samples(*key)
-            if p.healthy and d.healthy and seen.get(key) == count:
+            if p.open and d.open and seen.get(key) == count:  # (nothing new: no probe)
                 n = probe_tokens[sent.get(key, 0) % len(probe_tokens)]
                 sent[key] = sent.get(key, 0) + 1
                 await _probe(orchestrator, model, n, "disaggregated", prefill=p, decode=d)

@@ -206,6 +206,45 @@ async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
         decode_b.decode_gate.set()
 
 
+class GatedScaler(RecordingScaler):
+    """Removes only once ``remove_gate`` is set; ``removing`` is set when asked to."""
+
+    def __init__(self, directory: ListDirectory, spares: Sequence[EndpointInfo]):
+        super().__init__(directory, spares)
+        self.removing, self.remove_gate = asyncio.Event(), asyncio.Event()
+
+    async def remove(self, names):
+        self.removing.set()
+        await self.remove_gate.wait()
+        await super().remove(names)
+
+
+async def test_a_drain_moving_the_streams_does_not_take_the_engine_down(
+        prefill, decode, decode_b):
+    """The drain's own cut used to read, in the relay, as the engine lost: decode-1 was marked
+    down, so its next probe brought it "up" again and (with warm-ups on) a warm-up sent it new
+    requests while it was being removed."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = GatedScaler(directory, [info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory,
+                          scaler=scaler) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        busy, held = await stream_held_on_decode_1(c, proxy, decode, decode_b)
+        decode.decode_gate.set()
+        scaling = asyncio.create_task(c.post(proxy.url + "/pd/admin/scale", timeout=30, json={
+            "role": "decode", "replicas": 1, "drain_timeout_s": 0.3}))
+        await scaler.removing.wait()  # drained: the stream was moved
+        r = await held
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        leaving = pool.get("decode-1")
+        assert leaving.healthy and leaving.draining and leaving.consecutive_failures == 0
+        assert proxy.metric("pd_migrations_total", reason="decode_lost") == 1
+        scaler.remove_gate.set()
+        assert (await scaling).json()["drained"] is False
+        assert (await busy).status_code == 200
+        decode_b.decode_gate.set()
+
+
 @pytest.mark.parametrize("body,status", [
     ({"role": "decode", "replicas": 0}, 400),
     ({"role": "gpu", "replicas": 1}, 400),

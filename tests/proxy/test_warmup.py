@@ -155,3 +155,52 @@ async def test_an_engine_up_only_once_the_start_up_warm_up_began_is_warmed_too(
     await asyncio.gather(*service._tasks)  # the warm-up of decode-1
     assert warmed == [("prefill-0", "decode-1")] and not late.warming
     await service.stop()
+
+
+class Costs:
+    def link_samples(self, prefill: str, decode: str) -> int:
+        return 0  # no hand-over seen on any pair: every open pair is reprobed
+
+
+@pytest.mark.parametrize("how", ["down", "draining", "cordoned"])
+async def test_link_reprobes_go_through_no_engine_shut_to_new_work(how):
+    """A draining engine sees no hand-over: it was the surest pair to be reprobed."""
+    pool = pool_of(2, 1)
+    shut(pool, how)
+    orch = Orchestrator(pool)
+    orch.costs = Costs()  # type: ignore[attr-defined]
+    probed = asyncio.Event()
+    serve = orch.serve
+
+    async def count(req, prefill=None, decode=None):
+        if len(orch.served) == 3:  # prefill-0's pair reprobed thrice: rounds went by
+            probed.set()
+        return await serve(req, prefill, decode)
+
+    orch.serve = count  # type: ignore[method-assign]
+    task = asyncio.create_task(warmup.reprobe_links(orch, "m", (8,), 0.001))
+    await asyncio.wait_for(probed.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert {p for p, _ in orch.served} == {"prefill-0"}
+
+
+@pytest.mark.parametrize("how", ["draining", "cordoned"])
+async def test_an_engine_draining_or_cordoned_that_comes_back_up_is_sent_no_warm_up(
+        how, warmed):
+    """Its relays see a drain's cut, a failed request marks it down, the next probe brings it
+    up: no handshake requests to an engine being removed or cordoned."""
+    pool = pool_of(2, 1)
+    shut(pool, how)
+    assert await warmup.warm_up_engine(pool, pool.get("prefill-1"), "m")
+    assert warmed == []
+
+
+@pytest.mark.parametrize("how", ["down", "draining", "cordoned"])
+async def test_an_engine_that_comes_up_pays_no_handshake_with_an_engine_shut_to_new_work(
+        how, warmed):
+    pool = pool_of(2, 1)
+    shut(pool, how)
+    assert await warmup.warm_up_engine(pool, pool.get("decode-0"), "m")
+    assert warmed == [("prefill-0", "decode-0")]
