@@ -37,6 +37,14 @@ async def drain(pool: EnginePool, names: Sequence[str], timeout_s: float) -> boo
     return False
 
 
+def undrain(pool: EnginePool, names: Sequence[str]) -> None:
+    """A scale-down that failed: those of ``names`` still in the pool take new work again
+    (left draining, they would stay idle for good: nothing else clears the mark)."""
+    for e in pool.all():
+        if e.name in names:
+            e.draining = False
+
+
 async def wait_idle(pool: EnginePool, names: Sequence[str], timeout_s: float) -> bool:
     """Wait until none of ``names`` has a request of this proxy in flight."""
     loop = asyncio.get_running_loop()

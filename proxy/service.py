@@ -23,6 +23,7 @@ from proxy.config import ProxyConfig
 from proxy.costs import RouteCosts
 from proxy.directory import Directory, Scaler
 from proxy.engine_client import EngineClient, new_session
+from proxy.errors import UpstreamError
 from proxy.http1 import Client
 from proxy.kv_event_feed import run_feed
 from proxy.loop_lag import watch_loop_lag
@@ -30,7 +31,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
-from proxy.scale_down import drain
+from proxy.scale_down import drain, undrain
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import reprobe_links, reprobe_sizes, warm_up_at_start, warm_up_engine
 
@@ -160,7 +161,8 @@ class ProxyService:
 
     async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
         """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
-        flight is dropped), newest engines go first."""
+        flight is dropped), newest engines go first. A removal that fails is an UpstreamError
+        (502), the engines it was for undrained."""
         assert self.scaler is not None
         async with self._scale_lock:
             names = await self.scaler.replicas(role)  # type: ignore[arg-type]
@@ -171,8 +173,16 @@ class ProxyService:
                 added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
             elif replicas < len(names):
                 removed = names[replicas:]
-                drained = await drain(self.pool, removed, drain_timeout_s)
-                await self.scaler.remove(removed)
+                try:
+                    drained = await drain(self.pool, removed, drain_timeout_s)
+                    await self.scaler.remove(removed)
+                except BaseException as exc:
+                    undrain(self.pool, removed)
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.exception("scale-down of %s failed", ", ".join(removed))
+                    raise UpstreamError(f"removing {', '.join(removed)} failed; they serve "
+                                        "again (the proxy's log says why)") from exc
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,
                     "drained": drained}

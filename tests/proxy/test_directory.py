@@ -245,6 +245,39 @@ async def test_a_drain_moving_the_streams_does_not_take_the_engine_down(
         decode_b.decode_gate.set()
 
 
+class FailingScaler(RecordingScaler):
+    async def remove(self, names):
+        raise RuntimeError("ray: actor stop failed")
+
+
+async def test_a_failed_scale_down_is_a_502_and_the_engine_serves_again(
+        prefill, decode, decode_b):
+    """The engine was left draining for good: still in the directory, healthy, and never
+    picked again (nothing clears the mark), while the operator got a bare 500."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = FailingScaler(directory, [info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory,
+                          scaler=scaler) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "decode-1 up")
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 1})
+        assert r.status_code == 502 and r.json()["error"] == {
+            "message": "removing decode-1 failed; they serve again (the proxy's log says why)",
+            "type": "upstream_error", "param": None, "code": 502}
+        assert not pool.get("decode-1").draining
+        decode.decode_gate = asyncio.Event()  # decode-0 busy: decode-1 takes the next
+        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode.wait_for_requests(1)
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200 and len(decode_b.decode_requests) == 1
+        decode.decode_gate.set()
+        assert (await held).status_code == 200
+
+
 @pytest.mark.parametrize("body,status", [
     ({"role": "decode", "replicas": 0}, 400),
     ({"role": "gpu", "replicas": 1}, 400),
