@@ -132,3 +132,17 @@ class ProxyMetrics:
                 counter.labels(label)
         for stage in MIGRATION_STAGES:  # a dashboard reads "no migration", not "no data"
             self.migration_seconds.labels(stage)
+
+    def forget_engine(self, name: str) -> None:
+        """Drop the series of an engine gone for good: its ``pd_engine_up`` and the series of
+        its pairs (Ray mode's names only grow: each scale-down would leave one more
+        ``pd_engine_up`` at 0, for an engine that no longer exists)."""
+        for metric, labels in ((self.engine_up, ("role", "engine")),
+                               (self.kv_pull_failures_total, ("engine",)),
+                               (self.handover_seconds, ("prefill", "decode")),
+                               (self.kv_moved_bytes_total, ("prefill", "decode"))):
+            for family in metric.collect():
+                for values in {tuple(s.labels[k] for k in labels) for s in family.samples}:
+                    named = dict(zip(labels, values))
+                    if name in (named.get("engine"), named.get("prefill"), named.get("decode")):
+                        metric.remove(*values)

@@ -121,6 +121,8 @@ class EnginePool:
         for e in removed:
             self._set_health(e, False)
             self.engines.remove(e)
+            if e.name not in wanted:  # gone (restarted, it keeps its name and its series)
+                self._metrics.forget_engine(e.name)
         have = {e.name for e in self.all()}
         added = []
         for info in infos:
@@ -194,7 +196,8 @@ class EnginePool:
             self._release(engine)
         engine.healthy = healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
-        self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
+        if engine in self.engines:  # (one that left, marked down by a late failure: no series)
+            self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
         if came_up and self.on_up is not None:
             self.on_up(engine)
 

@@ -14,7 +14,8 @@ import pytest
 
 from harness.fake_engine import FakeEngine
 from harness.live_proxy import live_proxy, proxy_config, wait_until
-from proxy.pool import EndpointInfo
+from proxy.metrics import ProxyMetrics
+from proxy.pool import EndpointInfo, EnginePool
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
@@ -204,6 +205,46 @@ async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
         assert (await busy).status_code == 200
         assert [e.name for e in pool.decode] == ["decode-0"]
         decode_b.decode_gate.set()
+
+
+class Client:
+    def __init__(self, name: str, url: str):
+        self.name, self.base_url = name, url
+
+
+def test_an_engine_gone_for_good_leaves_no_series_behind():
+    """Its ``pd_engine_up`` stayed at 0 for good (an alert on it fired for an engine that no
+    longer exists; Ray mode's names only grow, so each scale-down added one), and so did the
+    series of its pairs. A restart (same name) keeps them."""
+    metrics = ProxyMetrics()
+    pool = EnginePool([], [], metrics)
+    infos = [EndpointInfo("prefill-0", "prefill", "http://127.0.0.1:1"),
+             EndpointInfo("decode-0", "decode", "http://127.0.0.1:2"),
+             EndpointInfo("decode-1", "decode", "http://127.0.0.1:3")]
+    pool.reconcile(infos, Client)
+    for e in pool.all():
+        pool._set_health(e, True)
+    for decode in ("decode-0", "decode-1"):
+        metrics.handover_seconds.labels("prefill-0", decode).observe(0.01)
+        metrics.kv_moved_bytes_total.labels("prefill-0", decode).inc(1e6)
+        metrics.kv_pull_failures_total.labels(decode).inc(0)
+    gone = pool.get("decode-1")
+
+    def series(engine: str) -> list[str]:
+        return [f"{m.name}{s.labels}" for m in metrics.registry.collect() for s in m.samples
+                if engine in (s.labels.get("engine"), s.labels.get("decode"))]
+
+    assert len(series("decode-1")) == len(series("decode-0")) > 4
+    pool.reconcile(infos[:2], Client)  # decode-1 scaled away
+    assert series("decode-1") == [] and len(series("decode-0")) > 4
+    pool.mark_down(gone)  # a request still on it fails later
+    assert series("decode-1") == []
+    infos[1] = EndpointInfo("decode-0", "decode", "http://127.0.0.1:4")  # restarted elsewhere
+    pool.reconcile(infos[:2], Client)
+    assert metrics.registry.get_sample_value(
+        "pd_engine_up", {"role": "decode", "engine": "decode-0"}) == 0
+    assert metrics.registry.get_sample_value(
+        "pd_handover_seconds_count", {"prefill": "prefill-0", "decode": "decode-0"}) == 1
 
 
 class GatedScaler(RecordingScaler):
