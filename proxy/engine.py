@@ -58,6 +58,8 @@ class Engine:
     #: Up, but its NIXL handshakes with the other role are still being paid (it joined or came
     #: back after start-up): picked only when no other engine is usable.
     warming: bool = False
+    #: The warm-up under way (``proxy/warmup.py``: one at a time; the newest clears ``warming``).
+    warm_up: asyncio.Task | None = field(default=None, repr=False)
     #: What it is asked to do now ("prefill", "decode"); by default all its role can do.
     duties: frozenset[str] = frozenset()
     #: Tasks waiting on it for a whole reply (:meth:`given_up_when_down`), and those of them

@@ -60,12 +60,21 @@ async def warm_up_pairs(pool: EnginePool, model: str, *, timeout_s: float = 120.
 async def warm_up_engine(pool: EnginePool, engine: Engine, model: str) -> bool:
     """Pay a (re)joined engine's handshakes with every open engine (``Engine.open``) of the
     other role, while it is marked ``warming`` (routing prefers the others meanwhile); True when
-    all succeeded. An engine draining or cordoned itself is sent nothing."""
+    all succeeded. An engine draining or cordoned itself is sent nothing.
+
+    One at a time per engine: an engine that came up again while its last warm-up ran (it
+    flapped) has that one cancelled (its handshakes may have met the engine down) and pays them
+    all in this one, which alone clears ``warming``."""
     if not engine.open:  # draining or cordoned (and come back up): nothing new, nor this
         return True
+    me = asyncio.current_task()
+    previous, engine.warm_up = engine.warm_up, me
     engine.warming = True
     t0 = time.perf_counter()
     try:
+        if previous is not None and not previous.done():
+            previous.cancel()
+            await asyncio.wait([previous])
         pairs = [(p, d) for p, d in pool.pairs() if engine in (p, d)
                  and (p if d is engine else d).open]
         ok = True
@@ -74,8 +83,15 @@ async def warm_up_engine(pool: EnginePool, engine: Engine, model: str) -> bool:
         log.info("warm-up of %s with %d engine(s) %s in %.2fs", engine.name, len(pairs),
                  "done" if ok else "failed", time.perf_counter() - t0)
         return ok
+    except asyncio.CancelledError:
+        # Replaced by a newer warm-up (and only that: not the proxy stopping too) ends here.
+        if engine.warm_up is me or me is None or me.uncancel() > 0:
+            raise
+        return False
     finally:
-        engine.warming = False
+        if engine.warm_up is me:
+            engine.warming = False
+            engine.warm_up = None
 
 
 async def _warm_pair(prefill, decode, model: str) -> bool:

@@ -204,3 +204,59 @@ async def test_an_engine_that_comes_up_pays_no_handshake_with_an_engine_shut_to_
     shut(pool, how)
     assert await warmup.warm_up_engine(pool, pool.get("decode-0"), "m")
     assert warmed == [("prefill-0", "decode-0")]
+
+
+@pytest.fixture
+def handshaking(monkeypatch) -> tuple[asyncio.Queue, list[asyncio.Event]]:
+    """``_warm_pair`` held until its gate is set: (each call's gate, as it starts; the gates of
+    the calls under way)."""
+    started: asyncio.Queue[asyncio.Event] = asyncio.Queue()
+    running: list[asyncio.Event] = []
+
+    async def warm_pair(prefill, decode, model):
+        gate = asyncio.Event()
+        running.append(gate)
+        started.put_nowait(gate)
+        try:
+            await gate.wait()
+        finally:
+            running.remove(gate)
+        return True
+
+    monkeypatch.setattr(warmup, "_warm_pair", warm_pair)
+    return started, running
+
+
+async def test_a_flapping_engine_is_warmed_once_at_a_time_and_warming_until_the_last_ends(
+        handshaking):
+    """Each up spawned its own warm-up: an engine that flapped had several at once, and the
+    first to end marked it warm while a later one still paid the handshakes."""
+    started, running = handshaking
+    pool = pool_of(1, 1)
+    decode = pool.get("decode-0")
+    decode.healthy = False
+    warm_ups: list[asyncio.Task] = []
+    pool.on_up = lambda e: warm_ups.append(
+        asyncio.create_task(warmup.warm_up_engine(pool, e, "m")))
+    pool._set_health(decode, True)
+    await started.get()
+    pool.mark_down(decode)  # it flapped: down (a failed request), up (the next probe)
+    pool._set_health(decode, True)
+    last = await started.get()
+    assert len(running) == 1 and warm_ups[0].done()
+    assert await warm_ups[0] is False  # replaced: ended, quietly
+    assert decode.warming
+    last.set()
+    assert await warm_ups[1] is True
+    assert not decode.warming and decode.warm_up is None
+
+
+async def test_a_warm_up_cancelled_by_the_proxy_stopping_is_cancelled(handshaking):
+    started, _ = handshaking
+    pool = pool_of(1, 1)
+    task = asyncio.create_task(warmup.warm_up_engine(pool, pool.get("decode-0"), "m"))
+    await started.get()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not pool.get("decode-0").warming
