@@ -124,14 +124,9 @@ class EnginePool:
             if e.name not in wanted:  # gone (restarted, it keeps its name and its series)
                 self._metrics.forget_engine(e.name)
         have = {e.name for e in self.all()}
-        added = []
-        for info in infos:
-            if info.name in have:
-                continue
-            engine = Engine(info.role, make_client(info.name, info.url),
-                            events_endpoint=info.kv_events or None, instance=info.instance)
-            self.engines.append(engine)
-            added.append(engine)
+        added = [Engine(i.role, make_client(i.name, i.url), events_endpoint=i.kv_events or None,
+                        instance=i.instance) for i in infos if i.name not in have]
+        self.engines += added
         for e in added + removed:
             log.info("engine %s (%s) %s: %s", e.name, e.role,
                      "joined" if e in added else "left", e.client.base_url)
@@ -276,14 +271,21 @@ class EnginePool:
         self._set_health(engine, ok)
         return ok
 
-    async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(e) for e in self.all()))
-
     async def run_health_loop(self, interval_s: float) -> None:
-        """Probe every engine each ``interval_s`` (the caller has probed them once already)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.probe_all()
+        """Probe every engine each ``interval_s`` (the caller has probed them once already),
+        each at its own pace: a probe that waits out the health timeout delays only its own
+        engine's next one, never the others'."""
+        probing: dict[Engine, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                probing = {e: task for e, task in probing.items() if not task.done()}
+                for e in self.all():
+                    if e not in probing:
+                        probing[e] = asyncio.create_task(self.probe(e))
+        finally:
+            for task in probing.values():
+                task.cancel()
 
 
 def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str

@@ -115,7 +115,7 @@ class ProxyService:
         if self.config.loop_lag_probe_s > 0:
             self._tasks.append(self._background(watch_loop_lag(
                 self.metrics.event_loop_lag_seconds, self.config.loop_lag_probe_s), "loop lag"))
-        await self.pool.probe_all()
+        await asyncio.gather(*(self.pool.probe(e) for e in self.pool.all()))
         self._tasks.append(self._background(
             self.pool.run_health_loop(self.config.health_interval_s), "health"))
         if not self.warmed:

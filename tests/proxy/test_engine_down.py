@@ -6,7 +6,8 @@ down, an engine releases every request waiting on it for a whole reply (a prefil
 leg falls back to the decode engine at once instead of waiting out its deadline, and its
 streams are cut so that they continue on another decode engine (when one is up).
 A probe never stops the probing: what it cannot foresee is a failed probe, a figure it cannot
-read (NaN) is skipped.
+read (NaN) is skipped; and each engine is probed at its own pace (a silent one holds back only
+its own probes).
 The real counterparts: ``tests/ray/test_placement.py``'s cut link and the stalled engine of
 ``tests/layouts/test_migration_e2e.py``.
 """
@@ -217,3 +218,38 @@ async def test_a_probe_failing_unforeseen_is_a_failed_probe_and_the_others_go_on
         assert not pool.decode[0].healthy and pool.decode[1].healthy
     finally:
         loop.cancel()
+
+
+class SilentClient:
+    """An engine whose probes never answer (until cancelled): each waits on its own."""
+
+    base_url = "http://x"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.probes = 0
+        self.cancelled = asyncio.Event()
+
+    async def get_text(self, path, timeout_s):
+        self.probes += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_silent_engine_holds_back_only_its_own_probes():
+    """Each round of probes waited for all of them, so one engine silent up to the health
+    timeout (2 s) held every other engine's probes that long: a failure found that much later."""
+    silent, other = SilentClient("decode-0"), PageClient("decode-1")
+    pool = EnginePool([], [silent, other], ProxyMetrics())
+    loop = asyncio.create_task(pool.run_health_loop(0.001))
+    for _ in range(3):  # decode-1 probed again and again ...
+        other.probed.clear()
+        await asyncio.wait_for(other.probed.wait(), 5)
+    assert silent.probes == 1  # ... while decode-0's one probe is still out
+    loop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop
+    await asyncio.wait_for(silent.cancelled.wait(), 5)  # its probe ends with the loop
