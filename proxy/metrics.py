@@ -12,8 +12,13 @@ _LATENCY_BUCKETS_S = (
 #: The label values the proxy's code uses (created at start-up; see ``ProxyMetrics``).
 FALLBACK_REASONS = ("prefill_error", "prefill_unreachable", "prefill_lost", "prefill_timeout",
                     "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired")
-STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout")
+STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout", "deadline")
 MIGRATION_REASONS = ("decode_lost", "decode_error", "decode_timeout")
+#: Why a stream was not continued: off, past the limit, budget or prompt not known, no engine
+#: left, or what ``migration.not_migratable`` names.
+MIGRATION_FAILURE_REASONS = ("disabled", "limit", "unknown_budget", "unknown_prompt",
+                             "no_engine", "logprobs", "echo", "stop_strings",
+                             "structured_output", "multimodal")
 REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",
                    "overloaded_error", "timeout_error")
 DISCONNECT_STAGES = ("before_response", "after_prefill", "streaming")
@@ -126,6 +131,7 @@ class ProxyMetrics:
         for counter, labels in ((self.fallbacks_total, FALLBACK_REASONS),
                                 (self.stream_errors_total, STREAM_ERROR_REASONS),
                                 (self.migrations_total, MIGRATION_REASONS),
+                                (self.migrations_failed_total, MIGRATION_FAILURE_REASONS),
                                 (self.rejected_total, REJECTION_TYPES),
                                 (self.client_disconnects_total, DISCONNECT_STAGES)):
             for label in labels:
