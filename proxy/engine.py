@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -57,6 +58,8 @@ class Engine:
     #: Up, but its NIXL handshakes with the other role are still being paid (it joined or came
     #: back after start-up): picked only when no other engine is usable.
     warming: bool = False
+    #: The warm-up under way (``proxy/warmup.py``: one at a time; the newest clears ``warming``).
+    warm_up: asyncio.Task | None = field(default=None, repr=False)
     #: What it is asked to do now ("prefill", "decode"); by default all its role can do.
     duties: frozenset[str] = frozenset()
     #: Tasks waiting on it for a whole reply (:meth:`given_up_when_down`), and those of them
@@ -76,29 +79,44 @@ class Engine:
         """Whether the engine's role allows ``duty`` (assigned or not)."""
         return self.role in (duty, "both")
 
+    @property
+    def open(self) -> bool:
+        """Whether it may be sent new work of any kind (a warm-up, a probe): up, not draining,
+        and not cordoned (a fixed-role engine left out of its role's duty: ``EnginePool.assign``;
+        a ``both`` engine without a duty now is still warmed for the duties it may be given)."""
+        return self.healthy and not self.draining and (self.role == "both"
+                                                       or self.role in self.duties)
+
     def update_load(self, metrics_text: str) -> int:
         """Take in a look at the engine's metrics; the KV pulls that failed since the last
-        look (the first look is the baseline)."""
+        look (the first look is the baseline). A figure read as NaN or infinite (an engine's
+        bug, a torn page) tells nothing: what it would update keeps the last look's value."""
         load = engine_load(metrics_text)
-        self.engine_requests = load.requests
-        self._foreign = max(0, self.engine_requests - self.inflight)
+        if _finite(load.requests_running, load.requests_waiting):
+            self.engine_requests = load.requests
+            self._foreign = max(0, self.engine_requests - self.inflight)
         totals = (load.prompt_tokens, load.requests_finished)
-        if self._totals is not None:
-            d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
-            if d_requests > 0 and d_tokens >= 0:
-                mean = d_tokens / d_requests
-                self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
-                    0.7 * self.mean_prompt_tokens + 0.3 * mean)
-        self._totals = totals
+        if _finite(*totals):
+            if self._totals is not None:
+                d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
+                if d_requests > 0 and d_tokens >= 0:
+                    mean = d_tokens / d_requests
+                    self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
+                        0.7 * self.mean_prompt_tokens + 0.3 * mean)
+            self._totals = totals
         nixl = (load.nixl_bytes, load.nixl_seconds)
-        if self._nixl is not None:
-            d_bytes, d_s = nixl[0] - self._nixl[0], nixl[1] - self._nixl[1]
-            if d_bytes > 0 and d_s > 0:
-                rate = d_bytes / d_s
-                self.nixl_bytes_per_s = rate if self.nixl_bytes_per_s is None else (
-                    0.5 * self.nixl_bytes_per_s + 0.5 * rate)
-        self._nixl = nixl
-        self.nixl_transfers = int(load.nixl_transfers)
+        if _finite(*nixl):
+            if self._nixl is not None:
+                d_bytes, d_s = nixl[0] - self._nixl[0], nixl[1] - self._nixl[1]
+                if d_bytes > 0 and d_s > 0:
+                    rate = d_bytes / d_s
+                    self.nixl_bytes_per_s = rate if self.nixl_bytes_per_s is None else (
+                        0.5 * self.nixl_bytes_per_s + 0.5 * rate)
+            self._nixl = nixl
+        if _finite(load.nixl_transfers):
+            self.nixl_transfers = int(load.nixl_transfers)
+        if not _finite(load.nixl_failed):
+            return 0
         failed = 0 if self._nixl_failed is None else max(0, int(load.nixl_failed
                                                                 - self._nixl_failed))
         self._nixl_failed = load.nixl_failed
@@ -141,6 +159,10 @@ class Engine:
         for task in self._waiting - self._given_up:
             self._given_up.add(task)
             task.cancel()
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
 
 
 class EngineLost(Exception):

@@ -60,6 +60,8 @@ class EngineStream:
         self._name = name
         self._response = response
         self._idle_s = idle_s
+        #: Closed by :meth:`move`: the relay's failure then says nothing of the engine.
+        self.moved = False
 
     @property
     def status(self) -> int:
@@ -111,6 +113,12 @@ class EngineStream:
 
     def close(self) -> None:
         self._response.close()
+
+    def move(self) -> None:
+        """Close the stream so that its relay continues it on another engine, this one not at
+        fault (a drain past its timeout: ``proxy/scale_down.py``)."""
+        self.moved = True
+        self.close()
 
 
 class EngineClient:

@@ -12,8 +12,13 @@ _LATENCY_BUCKETS_S = (
 #: The label values the proxy's code uses (created at start-up; see ``ProxyMetrics``).
 FALLBACK_REASONS = ("prefill_error", "prefill_unreachable", "prefill_lost", "prefill_timeout",
                     "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired")
-STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout")
+STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout", "deadline")
 MIGRATION_REASONS = ("decode_lost", "decode_error", "decode_timeout")
+#: Why a stream was not continued: off, past the limit, budget or prompt not known, no engine
+#: left, or what ``migration.not_migratable`` names.
+MIGRATION_FAILURE_REASONS = ("disabled", "limit", "unknown_budget", "unknown_prompt",
+                             "no_engine", "logprobs", "echo", "stop_strings",
+                             "structured_output", "multimodal")
 REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",
                    "overloaded_error", "timeout_error")
 DISCONNECT_STAGES = ("before_response", "after_prefill", "streaming")
@@ -126,9 +131,24 @@ class ProxyMetrics:
         for counter, labels in ((self.fallbacks_total, FALLBACK_REASONS),
                                 (self.stream_errors_total, STREAM_ERROR_REASONS),
                                 (self.migrations_total, MIGRATION_REASONS),
+                                (self.migrations_failed_total, MIGRATION_FAILURE_REASONS),
                                 (self.rejected_total, REJECTION_TYPES),
                                 (self.client_disconnects_total, DISCONNECT_STAGES)):
             for label in labels:
                 counter.labels(label)
         for stage in MIGRATION_STAGES:  # a dashboard reads "no migration", not "no data"
             self.migration_seconds.labels(stage)
+
+    def forget_engine(self, name: str) -> None:
+        """Drop the series of an engine gone for good: its ``pd_engine_up`` and the series of
+        its pairs (Ray mode's names only grow: each scale-down would leave one more
+        ``pd_engine_up`` at 0, for an engine that no longer exists)."""
+        for metric, labels in ((self.engine_up, ("role", "engine")),
+                               (self.kv_pull_failures_total, ("engine",)),
+                               (self.handover_seconds, ("prefill", "decode")),
+                               (self.kv_moved_bytes_total, ("prefill", "decode"))):
+            for family in metric.collect():
+                for values in {tuple(s.labels[k] for k in labels) for s in family.samples}:
+                    named = dict(zip(labels, values))
+                    if name in (named.get("engine"), named.get("prefill"), named.get("decode")):
+                        metric.remove(*values)

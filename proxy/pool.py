@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from proxy.duties import assigned_duties
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
@@ -99,20 +100,7 @@ class EnginePool:
         not named for its role's duty is cordoned: it finishes what it has and is given nothing
         new (an engine that restarts or joins comes with its role's duty). Naming an engine for
         a duty its role cannot do, or leaving no engine to decode, is a ValueError."""
-        names = {e.name: e for e in self.engines}
-        for name in (*prefill, *decode):
-            if name not in names:
-                raise ValueError(f"no engine named {name!r}")
-        for name in prefill:
-            if not names[name].can("prefill"):
-                raise ValueError(f"{name} ({names[name].role}) cannot prefill for others")
-        for name in decode:
-            if not names[name].can("decode"):
-                raise ValueError(f"{name} ({names[name].role}) cannot decode")
-        new = {e.name: frozenset(d for d, listed in (("prefill", prefill), ("decode", decode))
-                                 if e.name in listed) for e in self.engines}
-        if not any("decode" in duties for duties in new.values()):
-            raise ValueError("at least one engine must decode")
+        new = assigned_duties(self.engines, prefill, decode)
         for e in self.engines:
             e.duties = new[e.name]
 
@@ -133,15 +121,12 @@ class EnginePool:
         for e in removed:
             self._set_health(e, False)
             self.engines.remove(e)
+            if e.name not in wanted:  # gone (restarted, it keeps its name and its series)
+                self._metrics.forget_engine(e.name)
         have = {e.name for e in self.all()}
-        added = []
-        for info in infos:
-            if info.name in have:
-                continue
-            engine = Engine(info.role, make_client(info.name, info.url),
-                            events_endpoint=info.kv_events or None, instance=info.instance)
-            self.engines.append(engine)
-            added.append(engine)
+        added = [Engine(i.role, make_client(i.name, i.url), events_endpoint=i.kv_events or None,
+                        instance=i.instance) for i in infos if i.name not in have]
+        self.engines += added
         for e in added + removed:
             log.info("engine %s (%s) %s: %s", e.name, e.role,
                      "joined" if e in added else "left", e.client.base_url)
@@ -206,7 +191,8 @@ class EnginePool:
             self._release(engine)
         engine.healthy = healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
-        self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
+        if engine in self.engines:  # (one that left, marked down by a late failure: no series)
+            self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
         if came_up and self.on_up is not None:
             self.on_up(engine)
 
@@ -257,7 +243,9 @@ class EnginePool:
             await self.look(engine)
 
     async def probe(self, engine: Engine) -> bool:
-        """Health check, then a look at the engine's own metrics."""
+        """Health check, then a look at the engine's own metrics. Raises nothing (but a cancel):
+        anything unforeseen is logged and the probe failed, so that one engine's odd answer
+        cannot stop the probing of the others."""
         try:
             status, _ = await engine.client.get_text("/health", self._health_timeout_s)
             ok = status == 200
@@ -275,19 +263,29 @@ class EnginePool:
                     and await engine.client.connects(self._health_timeout_s)):
                 return True
             ok = False
+        except Exception:
+            log.exception("probe of engine %s failed; counted as a failed look", engine.name)
+            ok = False
         else:
             engine.slow_probes = 0
         self._set_health(engine, ok)
         return ok
 
-    async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(e) for e in self.all()))
-
     async def run_health_loop(self, interval_s: float) -> None:
-        """Probe every engine each ``interval_s`` (the caller has probed them once already)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.probe_all()
+        """Probe every engine each ``interval_s`` (the caller has probed them once already),
+        each at its own pace: a probe that waits out the health timeout delays only its own
+        engine's next one, never the others'."""
+        probing: dict[Engine, asyncio.Task] = {}
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                probing = {e: task for e, task in probing.items() if not task.done()}
+                for e in self.all():
+                    if e not in probing:
+                        probing[e] = asyncio.create_task(self.probe(e))
+        finally:
+            for task in probing.values():
+                task.cancel()
 
 
 def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str

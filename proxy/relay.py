@@ -55,7 +55,7 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
         yield late
     except (EngineUnreachable, EngineTimeout) as exc:
         lost = isinstance(exc, EngineUnreachable)
-        if lost:
+        if lost and not stream.moved:  # (moved: cut by a drain, the engine answers still)
             pool.mark_down(leg.decode)
         yield (DecodeLost("the decode engine failed mid-stream", engine=leg.decode.name)
                if lost else DecodeStalled("the decode engine stalled mid-stream",

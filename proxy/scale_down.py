@@ -29,12 +29,20 @@ async def drain(pool: EnginePool, names: Sequence[str], timeout_s: float) -> boo
     for e in pool.all():
         if e.name in names:
             for stream in list(e.open_streams):
-                stream.close()
+                stream.move()  # continued elsewhere; the engine is not marked down for it
                 cut += 1
     log.warning("drain of %s timed out: %d streams moved to other engines", ", ".join(names),
                 cut)
     await wait_idle(pool, names, EVACUATE_S)
     return False
+
+
+def undrain(pool: EnginePool, names: Sequence[str]) -> None:
+    """A scale-down that failed: those of ``names`` still in the pool take new work again
+    (left draining, they would stay idle for good: nothing else clears the mark)."""
+    for e in pool.all():
+        if e.name in names:
+            e.draining = False
 
 
 async def wait_idle(pool: EnginePool, names: Sequence[str], timeout_s: float) -> bool:

@@ -23,6 +23,7 @@ from proxy.config import ProxyConfig
 from proxy.costs import RouteCosts
 from proxy.directory import Directory, Scaler
 from proxy.engine_client import EngineClient, new_session
+from proxy.errors import UpstreamError
 from proxy.http1 import Client
 from proxy.kv_event_feed import run_feed
 from proxy.loop_lag import watch_loop_lag
@@ -30,9 +31,9 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
-from proxy.scale_down import drain
+from proxy.scale_down import drain, undrain
 from proxy.tokenizer_pool import TokenizerPool
-from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_engine, warm_up_pairs
+from proxy.warmup import reprobe_links, reprobe_sizes, warm_up_at_start, warm_up_engine
 
 if TYPE_CHECKING:
     from proxy.tracing import Tracing
@@ -110,15 +111,15 @@ class ProxyService:
             self._start_feed(engine)
         if self.directory is not None:
             await self.discover()
-            self._tasks.append(asyncio.create_task(self._discovery_loop()))
+            self._tasks.append(self._background(self._discovery_loop(), "discovery"))
         if self.config.loop_lag_probe_s > 0:
-            self._tasks.append(asyncio.create_task(watch_loop_lag(
-                self.metrics.event_loop_lag_seconds, self.config.loop_lag_probe_s)))
-        await self.pool.probe_all()
-        self._tasks.append(
-            asyncio.create_task(self.pool.run_health_loop(self.config.health_interval_s)))
+            self._tasks.append(self._background(watch_loop_lag(
+                self.metrics.event_loop_lag_seconds, self.config.loop_lag_probe_s), "loop lag"))
+        await asyncio.gather(*(self.pool.probe(e) for e in self.pool.all()))
+        self._tasks.append(self._background(
+            self.pool.run_health_loop(self.config.health_interval_s), "health"))
         if not self.warmed:
-            self._tasks.append(asyncio.create_task(self._warm_up()))
+            self._tasks.append(self._background(self._warm_up(), "warm-up"))
         # Everything built so far lives as long as the proxy (the app, the tokenizer, the
         # modules under them; ~380k objects when transformers brought torch in). Frozen, the
         # garbage collector no longer walks them: a full collection held the loop 130-180 ms.
@@ -131,8 +132,9 @@ class ProxyService:
     # -- membership -------------------------------------------------------------------------
     def _start_feed(self, engine: Engine) -> None:
         if engine.events_endpoint:
-            self._feeds[engine] = asyncio.create_task(
-                run_feed(engine.events_endpoint, engine.index, self._zmq))
+            self._feeds[engine] = self._background(
+                run_feed(engine.events_endpoint, engine.index, self._zmq),
+                f"KV events of {engine.name}")
 
     async def discover(self) -> None:
         """Reconcile the pool with the directory: new engines get a KV-event feed and a health
@@ -159,7 +161,8 @@ class ProxyService:
 
     async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
         """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
-        flight is dropped), newest engines go first."""
+        flight is dropped), newest engines go first. A removal that fails is an UpstreamError
+        (502), the engines it was for undrained."""
         assert self.scaler is not None
         async with self._scale_lock:
             names = await self.scaler.replicas(role)  # type: ignore[arg-type]
@@ -170,8 +173,16 @@ class ProxyService:
                 added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
             elif replicas < len(names):
                 removed = names[replicas:]
-                drained = await drain(self.pool, removed, drain_timeout_s)
-                await self.scaler.remove(removed)
+                try:
+                    drained = await drain(self.pool, removed, drain_timeout_s)
+                    await self.scaler.remove(removed)
+                except BaseException as exc:
+                    undrain(self.pool, removed)
+                    if not isinstance(exc, Exception):
+                        raise
+                    log.exception("scale-down of %s failed", ", ".join(removed))
+                    raise UpstreamError(f"removing {', '.join(removed)} failed; they serve "
+                                        "again (the proxy's log says why)") from exc
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,
                     "drained": drained}
@@ -200,34 +211,51 @@ class ProxyService:
     async def _warm_up(self) -> None:
         """Handshake every pair, seed the cost model, report ready, then keep links measured."""
         model = self.config.served_model_names[0]
+        # An engine that joins or comes back pays its handshakes before users do (a restarted
+        # engine has a new NIXL agent: every pair handshakes again); from the start, so that
+        # one only up once the start-up warm-up is past its pairs is warmed too.
+        self.pool.on_up = lambda engine: self._spawn(warm_up_engine(self.pool, engine, model))
         try:
-            await warm_up_pairs(self.pool, model)
-            await probe_routes(self.orchestrator, model, self.config.probe_tokens)
+            await warm_up_at_start(self.orchestrator, model, self.config.probe_tokens)
         finally:
             self.warmed = True  # failures are logged; requests are served either way
-            # From now on an engine that joins or comes back pays its handshakes before users
-            # do (a restarted engine has a new NIXL agent: every pair handshakes again).
-            self.pool.on_up = lambda engine: self._spawn(warm_up_engine(self.pool, engine, model))
         if self.config.reprobe_s > 0 and self.config.probe_tokens:
             await reprobe_links(self.orchestrator, model,
                                 reprobe_sizes(self.config.probe_tokens), self.config.reprobe_s)
 
     def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` in the background until it ends or the proxy stops."""
-        task = asyncio.get_running_loop().create_task(work)
+        task = self._background(work, "engine warm-up")
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 
+    @staticmethod
+    def _background(work: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """A task for ``work``, whose death by an exception is logged when it happens (nobody
+        awaits it before :meth:`stop`)."""
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        task.add_done_callback(_report_death)
+        return task
+
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._feeds.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await self.session.close()
-        if self.prompts is not None:
-            await self.prompts.close()
-        if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)  # flushes the last spans
-        self._zmq.term()
+        """Cancel every task, then close everything, each close whatever came before it."""
+        async with contextlib.AsyncExitStack() as closing:  # closes last pushed first
+            closing.callback(self._zmq.term)
+            if self.tracing is not None:  # flushes the last spans
+                closing.push_async_callback(asyncio.to_thread, self.tracing.shutdown)
+            if self.prompts is not None:
+                closing.push_async_callback(self.prompts.close)
+            closing.push_async_callback(self.session.close)
+            tasks = [*self._tasks, *self._feeds.values()]
+            for task in tasks:
+                task.cancel()
+            ended = await asyncio.gather(*tasks, return_exceptions=True)
+            for task, result in zip(tasks, ended):
+                if isinstance(result, Exception):  # (not a cancel: a BaseException)
+                    log.error("background task %s had failed: %r", task.get_name(), result)
+
+
+def _report_death(task: asyncio.Task) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("background task %s died; the proxy goes on without it", task.get_name(),
+                  exc_info=exc)

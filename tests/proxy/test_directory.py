@@ -14,7 +14,8 @@ import pytest
 
 from harness.fake_engine import FakeEngine
 from harness.live_proxy import live_proxy, proxy_config, wait_until
-from proxy.pool import EndpointInfo
+from proxy.metrics import ProxyMetrics
+from proxy.pool import EndpointInfo, EnginePool
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
@@ -204,6 +205,118 @@ async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
         assert (await busy).status_code == 200
         assert [e.name for e in pool.decode] == ["decode-0"]
         decode_b.decode_gate.set()
+
+
+class Client:
+    def __init__(self, name: str, url: str):
+        self.name, self.base_url = name, url
+
+
+def test_an_engine_gone_for_good_leaves_no_series_behind():
+    """Its ``pd_engine_up`` stayed at 0 for good (an alert on it fired for an engine that no
+    longer exists; Ray mode's names only grow, so each scale-down added one), and so did the
+    series of its pairs. A restart (same name) keeps them."""
+    metrics = ProxyMetrics()
+    pool = EnginePool([], [], metrics)
+    infos = [EndpointInfo("prefill-0", "prefill", "http://127.0.0.1:1"),
+             EndpointInfo("decode-0", "decode", "http://127.0.0.1:2"),
+             EndpointInfo("decode-1", "decode", "http://127.0.0.1:3")]
+    pool.reconcile(infos, Client)
+    for e in pool.all():
+        pool._set_health(e, True)
+    for decode in ("decode-0", "decode-1"):
+        metrics.handover_seconds.labels("prefill-0", decode).observe(0.01)
+        metrics.kv_moved_bytes_total.labels("prefill-0", decode).inc(1e6)
+        metrics.kv_pull_failures_total.labels(decode).inc(0)
+    gone = pool.get("decode-1")
+
+    def series(engine: str) -> list[str]:
+        return [f"{m.name}{s.labels}" for m in metrics.registry.collect() for s in m.samples
+                if engine in (s.labels.get("engine"), s.labels.get("decode"))]
+
+    assert len(series("decode-1")) == len(series("decode-0")) > 4
+    pool.reconcile(infos[:2], Client)  # decode-1 scaled away
+    assert series("decode-1") == [] and len(series("decode-0")) > 4
+    pool.mark_down(gone)  # a request still on it fails later
+    assert series("decode-1") == []
+    infos[1] = EndpointInfo("decode-0", "decode", "http://127.0.0.1:4")  # restarted elsewhere
+    pool.reconcile(infos[:2], Client)
+    assert metrics.registry.get_sample_value(
+        "pd_engine_up", {"role": "decode", "engine": "decode-0"}) == 0
+    assert metrics.registry.get_sample_value(
+        "pd_handover_seconds_count", {"prefill": "prefill-0", "decode": "decode-0"}) == 1
+
+
+class GatedScaler(RecordingScaler):
+    """Removes only once ``remove_gate`` is set; ``removing`` is set when asked to."""
+
+    def __init__(self, directory: ListDirectory, spares: Sequence[EndpointInfo]):
+        super().__init__(directory, spares)
+        self.removing, self.remove_gate = asyncio.Event(), asyncio.Event()
+
+    async def remove(self, names):
+        self.removing.set()
+        await self.remove_gate.wait()
+        await super().remove(names)
+
+
+async def test_a_drain_moving_the_streams_does_not_take_the_engine_down(
+        prefill, decode, decode_b):
+    """The drain's own cut used to read, in the relay, as the engine lost: decode-1 was marked
+    down, so its next probe brought it "up" again and (with warm-ups on) a warm-up sent it new
+    requests while it was being removed."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = GatedScaler(directory, [info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory,
+                          scaler=scaler) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        busy, held = await stream_held_on_decode_1(c, proxy, decode, decode_b)
+        decode.decode_gate.set()
+        scaling = asyncio.create_task(c.post(proxy.url + "/pd/admin/scale", timeout=30, json={
+            "role": "decode", "replicas": 1, "drain_timeout_s": 0.3}))
+        await scaler.removing.wait()  # drained: the stream was moved
+        r = await held
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        leaving = pool.get("decode-1")
+        assert leaving.healthy and leaving.draining and leaving.consecutive_failures == 0
+        assert proxy.metric("pd_migrations_total", reason="decode_lost") == 1
+        scaler.remove_gate.set()
+        assert (await scaling).json()["drained"] is False
+        assert (await busy).status_code == 200
+        decode_b.decode_gate.set()
+
+
+class FailingScaler(RecordingScaler):
+    async def remove(self, names):
+        raise RuntimeError("ray: actor stop failed")
+
+
+async def test_a_failed_scale_down_is_a_502_and_the_engine_serves_again(
+        prefill, decode, decode_b):
+    """The engine was left draining for good: still in the directory, healthy, and never
+    picked again (nothing clears the mark), while the operator got a bare 500."""
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = FailingScaler(directory, [info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode), directory=directory,
+                          scaler=scaler) as proxy, httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 2})
+        assert r.status_code == 200
+        await wait_until(lambda: len(pool.decode) == 2 and all(e.healthy for e in pool.decode),
+                         "decode-1 up")
+        r = await c.post(proxy.url + "/pd/admin/scale", json={"role": "decode", "replicas": 1})
+        assert r.status_code == 502 and r.json()["error"] == {
+            "message": "removing decode-1 failed; they serve again (the proxy's log says why)",
+            "type": "upstream_error", "param": None, "code": 502}
+        assert not pool.get("decode-1").draining
+        decode.decode_gate = asyncio.Event()  # decode-0 busy: decode-1 takes the next
+        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                          json=dict(BODY, stream=True), timeout=30))
+        await decode.wait_for_requests(1)
+        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
+        assert r.status_code == 200 and len(decode_b.decode_requests) == 1
+        decode.decode_gate.set()
+        assert (await held).status_code == 200
 
 
 @pytest.mark.parametrize("body,status", [

@@ -5,6 +5,9 @@ even a new TCP connection to it opens (a host cut off: nothing answers, nothing 
 down, an engine releases every request waiting on it for a whole reply (a prefill): the prefill
 leg falls back to the decode engine at once instead of waiting out its deadline, and its
 streams are cut so that they continue on another decode engine (when one is up).
+A probe never stops the probing: what it cannot foresee is a failed probe, a figure it cannot
+read (NaN) is skipped; and each engine is probed at its own pace (a silent one holds back only
+its own probes).
 The real counterparts: ``tests/ray/test_placement.py``'s cut link and the stalled engine of
 ``tests/layouts/test_migration_e2e.py``.
 """
@@ -161,3 +164,92 @@ async def test_with_no_other_decode_engine_to_go_to_the_streams_stay(other):
     pool.decode[0].open_streams.add(stream)
     await pool.probe(pool.decode[0])
     assert not pool.decode[0].healthy and not stream.closed
+
+
+class PageClient:
+    """An engine that answers its health check and serves ``page`` as its metrics; ``error``:
+    raised by every call instead (a bug of ours, say). ``probed`` is set at each call."""
+
+    base_url = "http://x"
+
+    def __init__(self, name: str, page: str = "", error: Exception | None = None):
+        self.name = name
+        self.page = page
+        self.error = error
+        self.probed = asyncio.Event()
+
+    async def get_text(self, path, timeout_s):
+        self.probed.set()
+        if self.error is not None:
+            raise self.error
+        return 200, self.page if path == "/metrics" else ""
+
+
+async def test_a_figure_read_as_nan_or_infinite_on_an_engines_metrics_is_skipped():
+    """``int(NaN)`` raised out of the probe: the engine's load kept its last reading."""
+    client = PageClient("decode-0", "vllm:num_requests_running 3\n"
+                                    "vllm:nixl_num_failed_transfers_total 1\n")
+    pool = EnginePool([], [client], ProxyMetrics())
+    (engine,) = pool.decode
+    assert await pool.probe(engine) and engine.engine_requests == 3
+    client.page = ("vllm:num_requests_running NaN\nvllm:nixl_xfer_time_seconds_count +Inf\n"
+                   "vllm:nixl_num_failed_transfers_total NaN\n")
+    assert await pool.probe(engine) and engine.healthy
+    assert engine.engine_requests == 3 and engine.kv_pull_failures == 0
+    client.page = "vllm:num_requests_running 1\nvllm:nixl_num_failed_transfers_total 2\n"
+    assert await pool.probe(engine)
+    assert engine.engine_requests == 1 and engine.kv_pull_failures == 1
+
+
+async def test_a_probe_failing_unforeseen_is_a_failed_probe_and_the_others_go_on():
+    """An exception nobody foresaw out of one engine's probe used to end the health loop, for
+    every engine, for good (silently: nothing marked up or down by probes again)."""
+    odd = PageClient("decode-0", error=RuntimeError("a bug of ours"))
+    other = PageClient("decode-1")
+    pool = EnginePool([], [odd, other], ProxyMetrics())
+    for e in pool.decode:
+        e.healthy = True
+    loop = asyncio.create_task(pool.run_health_loop(0.001))
+    try:
+        for _ in range(3):  # probed again and again: the loop lives on
+            for client in (odd, other):
+                client.probed.clear()
+                await asyncio.wait_for(client.probed.wait(), 5)
+        assert not pool.decode[0].healthy and pool.decode[1].healthy
+    finally:
+        loop.cancel()
+
+
+class SilentClient:
+    """An engine whose probes never answer (until cancelled): each waits on its own."""
+
+    base_url = "http://x"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.probes = 0
+        self.cancelled = asyncio.Event()
+
+    async def get_text(self, path, timeout_s):
+        self.probes += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def test_a_silent_engine_holds_back_only_its_own_probes():
+    """Each round of probes waited for all of them, so one engine silent up to the health
+    timeout (2 s) held every other engine's probes that long: a failure found that much later."""
+    silent, other = SilentClient("decode-0"), PageClient("decode-1")
+    pool = EnginePool([], [silent, other], ProxyMetrics())
+    loop = asyncio.create_task(pool.run_health_loop(0.001))
+    for _ in range(3):  # decode-1 probed again and again ...
+        other.probed.clear()
+        await asyncio.wait_for(other.probed.wait(), 5)
+    assert silent.probes == 1  # ... while decode-0's one probe is still out
+    loop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop
+    await asyncio.wait_for(silent.cancelled.wait(), 5)  # its probe ends with the loop

@@ -430,3 +430,21 @@ async def test_a_continuation_that_fails_before_answering_is_tried_on_another(en
     finally:
         decode2.decode_gate.set()
         await third.stop()
+
+
+def test_every_reason_a_stream_may_end_with_its_error_has_a_series_from_the_start():
+    """Read 0, not "no data", before the first failure of its kind (as ``metrics.py``
+    promises): a stream past the request's deadline, and each reason a stream is not
+    continued (those ``not_migratable`` gives, taken from it here)."""
+    from proxy.metrics import ProxyMetrics
+
+    registry = ProxyMetrics().registry
+    assert registry.get_sample_value("pd_stream_errors_total", {"reason": "deadline"}) == 0
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    not_exact = {not_migratable(body) for body in (
+        {"logprobs": 1}, {"echo": True}, {"stop": ["\n"]}, {"tools": [{}]},
+        {"messages": [{"role": "user", "content": [image]}]})}
+    for reason in not_exact | {"disabled", "limit", "unknown_budget", "unknown_prompt",
+                               "no_engine"}:
+        assert registry.get_sample_value("pd_migrations_failed_total",
+                                         {"reason": reason}) == 0, reason
