@@ -1,7 +1,8 @@
 """Dev mode: a prefill engine and a decode engine as two local processes, the proxy in this one.
 
 On CPU each engine gets its own core; on one GPU each gets a share of its memory. Start-up shows
-progress; Ctrl-C or SIGTERM stops the proxy and then both engine process groups.
+progress; Ctrl-C or SIGTERM stops the proxy and then both engine process groups (a second one
+while they stop is ignored: it would cut the cleanup short and leave them running).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -144,8 +145,8 @@ def run_dev(opts: DevOptions) -> int:
 
     # SIGTERM (and SIGHUP: the terminal closed) must unwind like Ctrl-C so the engines are
     # stopped, never orphaned. (While the proxy serves, both stop it first: run_server.)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
+    signal.signal(signal.SIGTERM, lambda *_: _unwind(143))
+    signal.signal(signal.SIGHUP, lambda *_: _unwind(129))
     check_ports_free(
         [
             ("proxy", opts.proxy.port),
@@ -228,14 +229,40 @@ def run_dev(opts: DevOptions) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        hold_stop_signals()
         with reporting_shutdown():
-            if observer is not None:
-                observer.stop()
-            if supervisor is not None:
-                supervisor.stop()
-            stop_engines(engines)
-            if link is not None:
-                link.destroy()
+            run_each([
+                ("supervisor", supervisor.stop if supervisor is not None else None),
+                ("engines", lambda: stop_engines(engines)),
+                ("prometheus", observer.stop if observer is not None else None),
+                ("throttled link", link.destroy if link is not None else None),
+            ])
+
+
+def _unwind(code: int) -> None:
+    hold_stop_signals()  # already: a second signal must not unwind the cleanup this starts
+    sys.exit(code)
+
+
+def hold_stop_signals() -> None:
+    """From here on a stop signal (a second Ctrl-C, the init system's SIGTERM after its own
+    grace, SIGHUP) is only noted: raised inside the cleanup, it would unwind past
+    ``stop_engines`` and leave the engines running. The cleanup is bounded (each engine's
+    grace, then SIGKILL). A Python handler, not ``SIG_IGN``: that would be inherited by what
+    the cleanup starts (``ip`` for the throttled link)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+
+
+def run_each(steps: Sequence[tuple[str, Callable[[], object] | None]]) -> None:
+    """Run every cleanup step in order, whatever the ones before it raised (logged)."""
+    for name, step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception:
+            log.exception("stopping the %s failed", name)
 
 
 def confinement_report(engines: Sequence[EngineProcess]) -> None:
