@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from launch.reaper import popen_dying_with_us
+
 HERE = Path(__file__).parent
 RULES = HERE / "rules.yml"
 DASHBOARD = HERE / "dashboard.json"
@@ -52,7 +54,8 @@ class Prometheus:
         self.url = f"http://{host}:{port}"
         self.log_path = workdir / "prometheus.log"
         with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(
+            # Stopped with the deployment, and with this process however it ends.
+            self.popen = popen_dying_with_us(
                 [exe, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
                  f"--web.listen-address={host}:{port}", "--web.enable-lifecycle"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

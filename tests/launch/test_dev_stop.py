@@ -107,3 +107,69 @@ def test_a_second_stop_signal_while_stopping_leaves_no_engine_behind(tmp_path, s
         kill_all(engines)
         if dev.poll() is None:
             dev.kill()
+
+
+#: An engine (standing in for vLLM's API server, its child for the engine core) started the way
+#: dev mode restarts one: on a thread that then ends. Writes "engine child" pids to ``argv[1]``.
+RESTARTED = r"""
+import os, sys, threading, time
+from pathlib import Path
+import launch.processes as processes
+from launch.engines import EngineSpec
+
+pids = Path(sys.argv[1])
+server = ("import subprocess, sys, time\n"
+          "core = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+          "print(core.pid, flush=True)\n"
+          "time.sleep(120)\n")
+processes.engine_argv = lambda spec: [sys.executable, "-c", server]
+processes.engine_env = lambda spec: dict(os.environ)
+started = []
+thread = threading.Thread(target=lambda: started.append(processes.start_engine(
+    EngineSpec("decode", "m", "m", 29531, 29532), pids.parent, die_with_parent=True)))
+thread.start()
+thread.join()
+log = started[0].log_path
+while not log.read_text().strip():
+    time.sleep(0.05)
+pids.write_text(f"{started[0].popen.pid} {log.read_text().split()[0]}")
+time.sleep(120)
+"""
+
+
+def test_an_engine_dies_with_a_sigkilled_pdserve_not_with_the_thread_that_started_it(tmp_path):
+    """kill -9 (or the OOM killer) of pdserve dev used to leave both engines running, holding
+    their ports and cores. Now each runs under the reaper, which the kernel signals when the
+    *thread* that forked it ends: so it is forked on a thread that lasts as long as the
+    process, and an engine the supervisor restarted outlives the thread that asked."""
+    pids = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", RESTARTED, str(pids)])
+    engine, core = [int(p) for p in wait_file(pids, parent).split()]
+    try:
+        time.sleep(0.5)  # a parent-death signal from the thread's end would have landed
+        assert alive(engine) and alive(core), "the engine died with the thread that started it"
+        parent.kill()
+        parent.wait(5)
+        deadline = time.monotonic() + 10
+        while (left := [p for p in (engine, core) if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"{left} outlived the SIGKILLed pdserve"
+    finally:
+        kill_all([engine, core])
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_pdserve_dev_killed_outright_takes_its_engines_with_it(tmp_path):
+    pids = tmp_path / "pids"
+    dev = subprocess.Popen([sys.executable, "-c", DEV, str(pids)])
+    engines = [int(p) for p in wait_file(pids, dev).split()]
+    try:
+        dev.kill()
+        dev.wait(5)
+        deadline = time.monotonic() + 20  # the hung one: its reaper's grace, then SIGKILL
+        while (left := [p for p in engines if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"engines {left} outlived the SIGKILLed pdserve dev"
+    finally:
+        kill_all(engines)
