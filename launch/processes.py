@@ -43,6 +43,24 @@ class EngineFailed(RuntimeError):
     pass
 
 
+def check_port_plan(ports: Sequence[tuple[str, int]]) -> None:
+    """Raise ValueError for a (purpose, port) outside 1-65535, or a port given two purposes
+    (each would be free on its own: the second server to bind it would fail, after the
+    engines had loaded)."""
+    bad = [f"{port} ({purpose})" for purpose, port in ports if not 1 <= port <= 65535]
+    if bad:
+        raise ValueError("port(s) out of range 1-65535: " + ", ".join(bad))
+    owners: dict[int, list[str]] = {}
+    for purpose, port in ports:
+        owners.setdefault(port, []).append(purpose)
+    shared = [f"{port} ({' and '.join(names)})" for port, names in owners.items()
+              if len(names) > 1]
+    if shared:
+        raise ValueError("port(s) given twice: " + ", ".join(shared) + ". Pick ports apart "
+                         "(--port, --engine-base-port: prefill engine on it, decode on the "
+                         "next; --side-channel-base-port; --prometheus-port).")
+
+
 def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") -> None:
     """Raise PortBusy naming every (purpose, port) that something else already holds."""
     busy = []
