@@ -116,21 +116,24 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def last_log_line(self) -> str:
+    def _log_lines(self) -> list[str]:
+        """This run's lines of the engine's log: those after the last restart's banner."""
         try:
             lines = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
-            return ""
+            return []
+        starts = [i for i, line in enumerate(lines) if line.startswith(RESTART_BANNER)]
+        return lines[starts[-1] + 1:] if starts else lines
+
+    def last_log_line(self) -> str:
+        lines = self._log_lines()
         return lines[-1][-160:] if lines else ""
 
     def root_cause(self) -> str:
-        """The line of the engine's log that says why it died: the last exception raised that
-        is not vLLM's "see root cause above" wrapper (an engine's last line is usually a
-        warning printed while it shut down), else the last line."""
-        try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
+        """The line of the engine's log that says why it died: the last exception this run
+        raised that is not vLLM's "see root cause above" wrapper (an engine's last line is
+        usually a warning printed while it shut down), else the last line."""
+        lines = self._log_lines()
         for line in reversed(lines):
             text = _PROCESS_PREFIX.sub("", line.strip())
             if _EXCEPTION_LINE.match(text) and "root cause above" not in text:

@@ -207,6 +207,26 @@ def test_a_dead_engine_is_reported_by_its_root_cause(tmp_path):
     assert proc.root_cause() == "INFO stopping"
 
 
+def test_a_restarted_engine_is_reported_by_its_own_run_not_the_one_before(tmp_path,
+                                                                         monkeypatch):
+    """The log is appended to on a restart: a second death with no exception (the OOM
+    killer, SIGKILL) was reported with the first run's exception."""
+    import launch.processes as processes
+    from launch.engines import EngineSpec
+
+    spec = EngineSpec("decode", "m", "m", 1, 2)
+    log = tmp_path / "decode-1.log"
+    log.write_text("INFO starting\nValueError: the KV cache does not fit\n")
+    first = EngineProcess(spec, None, log)  # type: ignore[arg-type]
+    assert first.root_cause() == "ValueError: the KV cache does not fit"
+    monkeypatch.setattr(processes, "engine_argv", lambda spec: [
+        sys.executable, "-c", "print('INFO starting'); print('INFO serving')"])
+    again = processes.start_engine(spec, tmp_path, append_log=True)
+    again.popen.wait(30)
+    assert "ValueError" in log.read_text()
+    assert again.root_cause() == again.last_log_line() == "INFO serving"
+
+
 @pytest.mark.parametrize(("blocks", "gib", "ok"), [(24, 1, False), (32, 1, True), (None, 1, True)])
 def test_a_kv_cache_too_small_for_one_request_is_refused_before_start(blocks, gib, ok):
     from launch.engines import check_kv_capacity
