@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -312,4 +313,8 @@ def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EnginePro
             for e in engines
         ],
     }
-    (log_dir / "run.json").write_text(json.dumps(info, indent=2))
+    # Whole or not at all, for whoever reads it meanwhile (rewritten on every restart).
+    fd, tmp = tempfile.mkstemp(dir=log_dir, prefix=".run.json.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info, indent=2))
+    os.replace(tmp, log_dir / "run.json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -49,6 +50,27 @@ def test_a_dead_engine_is_restarted_in_place_and_reported(tmp_path):
     assert written == [[engines[0].popen.pid, started[0].popen.pid]] and sup.restarts == 1
     for e in engines:
         e.popen.kill()
+
+
+def test_the_run_file_is_replaced_whole_on_a_restart(tmp_path):
+    """Whoever reads run.json while a restart rewrites it gets the old file or the new one,
+    never a truncated one (it used to be rewritten in place)."""
+    from launch.dev import DevOptions, _write_run_file
+
+    opts = DevOptions(model_path="/m", served_model_name="m")
+    engines = [proc(RUNS, "prefill", tmp_path), proc(RUNS, "decode", tmp_path)]
+    for e in engines:
+        e.spec.url, e.spec.side_channel_port = "http://127.0.0.1:1", 2
+    try:
+        _write_run_file(tmp_path, opts, engines[:1])
+        with open(tmp_path / "run.json") as reading:
+            _write_run_file(tmp_path, opts, engines)
+            assert len(json.loads(reading.read())["engines"]) == 1
+        assert len(json.loads((tmp_path / "run.json").read_text())["engines"]) == 2
+        assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+    finally:
+        for e in engines:
+            e.popen.kill()
 
 
 def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
