@@ -225,7 +225,7 @@ def run_dev(opts: DevOptions) -> int:
         check_endpoints_free([(f"{s.role} KV events", s.kv_events_endpoint or "")
                               for s in (prefill_spec, decode_spec)])
         for spec in (prefill_spec, decode_spec):
-            engines.append(start_engine(spec, log_dir, die_with_parent=True))
+            engines.append(start_engine(spec, log_dir))
         _write_run_file(log_dir, opts, engines)
         print(f"engine logs: {log_dir}/", file=sys.stderr)
         wait_ready(engines, opts.start_timeout_s, Progress())

@@ -155,11 +155,12 @@ def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
     return [sys.executable, "-m", reaper.__name__, "--", *argv] if die_with_parent else argv
 
 
-def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
+def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = True,
                  append_log: bool = False, own_session: bool = False) -> EngineProcess:
     """Start one engine, its log in ``log_dir``. ``die_with_parent``: under the reaper, which
     gets SIGTERM when this process ends however it ends (``reaper.popen_dying_with_us``) and
-    stops everything the engine started. ``own_session``: a session of its own (see below)."""
+    stops everything the engine started; without it, an engine outlives a parent killed
+    outright. ``own_session``: a session of its own (see below)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"

@@ -55,8 +55,7 @@ class Supervisor:
         poll_s: float = 0.5,
     ):
         self.engines = engines
-        self._start = start or (lambda dead: start_engine(dead.spec, log_dir, die_with_parent=True,
-                                                          append_log=True))
+        self._start = start or (lambda dead: start_engine(dead.spec, log_dir, append_log=True))
         self._on_restart = on_restart
         self._quick_s = quick_s
         self._max_quick_deaths = max_quick_deaths

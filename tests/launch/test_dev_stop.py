@@ -126,7 +126,7 @@ processes.engine_argv = lambda spec: [sys.executable, "-c", server]
 processes.engine_env = lambda spec: dict(os.environ)
 started = []
 thread = threading.Thread(target=lambda: started.append(processes.start_engine(
-    EngineSpec("decode", "m", "m", 29531, 29532), pids.parent, die_with_parent=True)))
+    EngineSpec("decode", "m", "m", 29531, 29532), pids.parent)))
 thread.start()
 thread.join()
 log = started[0].log_path
