@@ -1,8 +1,8 @@
 """Run one command so that nothing it starts outlives it, and it does not outlive our parent.
 
-``python -m launch.reaper -- <argv>``. Ray mode starts each engine through this (a Ray actor's
-engine, ``launch/processes.py``), because the kernel's parent-death signal reaches one process
-only: an actor that dies outright (its raylet gone) SIGTERMs the vLLM API server, and vLLM's
+``python -m launch.reaper -- <argv>``. Every engine is started through this (dev mode's and a
+Ray actor's, ``launch/processes.py``), because the kernel's parent-death signal reaches one
+process only: an actor that dies outright (its raylet gone) SIGTERMs the vLLM API server, and vLLM's
 ``VLLM::EngineCore`` child, a grandchild of the actor, was left running (a cluster-loss test
 found them; they then held the node's cores and ports).
 
