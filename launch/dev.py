@@ -266,13 +266,13 @@ def run_dev(opts: DevOptions) -> int:
 
 
 def _unwind(code: int) -> None:
-    hold_stop_signals()  # already: a second signal must not unwind the cleanup this starts
+    hold_stop_signals()  # now: a second signal must not unwind the cleanup this one starts
     sys.exit(code)
 
 
 def hold_stop_signals() -> None:
     """From here on a stop signal (a second Ctrl-C, the init system's SIGTERM after its own
-    grace, SIGHUP) is only noted: raised inside the cleanup, it would unwind past
+    grace, SIGHUP) is ignored: raised inside the cleanup, it would unwind past
     ``stop_engines`` and leave the engines running. The cleanup is bounded (each engine's
     grace, then SIGKILL). A Python handler, not ``SIG_IGN``: that would be inherited by what
     the cleanup starts (``ip`` for the throttled link)."""
