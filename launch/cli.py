@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             return _run_scale(args)
         if args.command == "plan":
             return _run_plan(args)
-    except (PortBusy, EngineFailed, ValueError, RuntimeError) as exc:
+    except (PortBusy, EngineFailed, ValueError, RuntimeError, OSError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -1,7 +1,8 @@
 """Dev mode: a prefill engine and a decode engine as two local processes, the proxy in this one.
 
 On CPU each engine gets its own core; on one GPU each gets a share of its memory. Start-up shows
-progress; Ctrl-C or SIGTERM stops the proxy and then both engine process groups.
+progress; Ctrl-C or SIGTERM stops the proxy and then both engine process groups (a second one
+while they stop is ignored: it would cut the cleanup short and leave them running).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,10 +27,12 @@ from launch.engines import (
     detect_device,
 )
 from launch.isolation import guard
+from launch.observability.prometheus import require_binary as require_prometheus
 from launch.observability.setup import ObservabilityOptions, Observer
 from launch.processes import (
     EngineProcess,
     check_endpoints_free,
+    check_port_plan,
     check_ports_free,
     reporting_shutdown,
     start_engine,
@@ -39,6 +43,7 @@ from launch.settings import EngineSettings, ProxySettings
 from launch.shutdown import run_server
 from launch.supervisor import Supervisor
 from launch.testbed import LinkSpec, ThrottledLink
+from proxy.config import ProxyConfig
 from transport.kv_size import kv_bytes_per_token_for_model
 
 log = logging.getLogger(__name__)
@@ -114,6 +119,41 @@ def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
     return kv_bytes_per_token_for_model(model, dtype)
 
 
+def check_kv_size_known(opts: DevOptions, kv_bytes_per_token: int | None) -> None:
+    """``--policy auto`` weighs moving KV by its size: refuse a model whose size is unknown."""
+    if kv_bytes_per_token is None and opts.proxy.policy == "auto":
+        raise ValueError(
+            f"--model {opts.model_path}: not a local model directory, so its KV bytes per "
+            "token, which --policy auto weighs against the link, are unknown. Give a model "
+            "directory (e.g. a downloaded snapshot), or --policy local / disaggregate / "
+            "threshold:N")
+
+
+def proxy_config(opts: DevOptions, prefill_spec: EngineSpec, decode_spec: EngineSpec,
+                 kv_bytes_per_token: int | None, engine_key: str) -> ProxyConfig:
+    """The proxy's config for these two engines (validated: its cross-field checks raise)."""
+    pooled = opts.layout != "disaggregated"
+    urls = (prefill_spec.url, decode_spec.url)
+    events = (prefill_spec.kv_events_endpoint or "", decode_spec.kv_events_endpoint or "")
+    return opts.proxy.config(
+        prefill_urls=() if pooled else urls[:1],
+        decode_urls=() if pooled else urls[1:],
+        pool_urls=urls if pooled else (),
+        pool_kv_events=events if pooled else (),
+        layout="aggregated" if opts.layout == "aggregated" else "pool",
+        served_model_names=(opts.served_model_name,),
+        kv_bytes_per_token=kv_bytes_per_token,
+        kv_lease_s=opts.engines.lease_s,
+        prefill_kv_events=() if pooled else events[:1],
+        decode_kv_events=() if pooled else events[1:],
+        tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
+        max_model_len=opts.engines.max_model_len,
+        decode_chunk_tokens=DECODE_CHUNK_TOKENS,
+        engine_key=engine_key,
+        otlp_traces_endpoint=opts.engines.otlp_traces_endpoint,
+    )
+
+
 class Progress:
     """One status line on stderr: redrawn in place on a terminal, every 10 s otherwise."""
 
@@ -144,38 +184,43 @@ def run_dev(opts: DevOptions) -> int:
 
     # SIGTERM (and SIGHUP: the terminal closed) must unwind like Ctrl-C so the engines are
     # stopped, never orphaned. (While the proxy serves, both stop it first: run_server.)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))
-    check_ports_free(
-        [
-            ("proxy", opts.proxy.port),
-            ("prefill engine", opts.engine_base_port),
-            ("decode engine", opts.engine_base_port + 1),
-            ("prefill NIXL side channel", opts.side_channel_base_port),
-            ("decode NIXL side channel", opts.side_channel_base_port + 1),
-            *([("prometheus", opts.observability.prometheus_port)]
-              if opts.observability.prometheus else []),
-        ]
-    )
+    signal.signal(signal.SIGTERM, lambda *_: _unwind(143))
+    signal.signal(signal.SIGHUP, lambda *_: _unwind(129))
+    ports = [
+        ("proxy", opts.proxy.port),
+        ("prefill engine", opts.engine_base_port),
+        ("decode engine", opts.engine_base_port + 1),
+        ("prefill NIXL side channel", opts.side_channel_base_port),
+        ("decode NIXL side channel", opts.side_channel_base_port + 1),
+        *([("prometheus", opts.observability.prometheus_port)]
+          if opts.observability.prometheus else []),
+    ]
+    check_port_plan(ports)
+    check_ports_free(ports)
     log_dir = opts.log_dir
     engines: list[EngineProcess] = []
     link: ThrottledLink | None = None
     supervisor: Supervisor | None = None
     observer: Observer | None = None
-    device = detect_device()
-    check_kv_capacity(device, opts.engines.max_model_len, opts.engines.kv_blocks,
-                      opts.engines.kv_cache_gib,
-                      model_kv_bytes_per_token(opts.model_path,
-                                               default_dtype(device, opts.engines.dtype)))
     if opts.link_mbit is not None and opts.layout != "disaggregated":
         raise ValueError("--link-mbit puts the prefill engine behind the link: it needs "
                          "--layout disaggregated")
+    # Everything a flag can get wrong is refused here, not after minutes of engine start-up.
+    device = detect_device()
+    kv_bytes_per_token = model_kv_bytes_per_token(opts.model_path,
+                                                  default_dtype(device, opts.engines.dtype))
+    check_kv_capacity(device, opts.engines.max_model_len, opts.engines.kv_blocks,
+                      opts.engines.kv_cache_gib, kv_bytes_per_token)
+    check_kv_size_known(opts, kv_bytes_per_token)
+    key = deployment_key()
+    proxy_config(opts, *engine_specs(opts, api_key=key), kv_bytes_per_token, key)
+    if opts.observability.prometheus:
+        require_prometheus()
     try:
         if opts.link_mbit is not None:
             link = ThrottledLink().create()
             link.set_rate(LinkSpec(rate_mbit=opts.link_mbit or None))
             print(f"throttled link: {link}", file=sys.stderr)
-        key = deployment_key()
         prefill_spec, decode_spec = engine_specs(opts, link, api_key=key)
         check_endpoints_free([(f"{s.role} KV events", s.kv_events_endpoint or "")
                               for s in (prefill_spec, decode_spec)])
@@ -189,27 +234,9 @@ def run_dev(opts: DevOptions) -> int:
             supervisor = Supervisor(engines, log_dir,
                                     on_restart=lambda es: _write_run_file(log_dir, opts, es))
             supervisor.start()
-        pooled = opts.layout != "disaggregated"
-        urls = (prefill_spec.url, decode_spec.url)
-        events = (prefill_spec.kv_events_endpoint or "", decode_spec.kv_events_endpoint or "")
-        config = opts.proxy.config(
-            prefill_urls=() if pooled else urls[:1],
-            decode_urls=() if pooled else urls[1:],
-            pool_urls=urls if pooled else (),
-            pool_kv_events=events if pooled else (),
-            layout="aggregated" if opts.layout == "aggregated" else "pool",
-            served_model_names=(opts.served_model_name,),
-            kv_bytes_per_token=model_kv_bytes_per_token(opts.model_path, prefill_spec.dtype),
-            kv_lease_s=opts.engines.lease_s,
-            prefill_kv_events=() if pooled else events[:1],
-            decode_kv_events=() if pooled else events[1:],
-            tokenizer=opts.model_path if os.path.isdir(opts.model_path) else None,
-            max_model_len=opts.engines.max_model_len,
-            decode_chunk_tokens=DECODE_CHUNK_TOKENS,
-            engine_key=key,
-            otlp_traces_endpoint=opts.engines.otlp_traces_endpoint,
-        )
+        config = proxy_config(opts, prefill_spec, decode_spec, kv_bytes_per_token, key)
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
+        pooled = opts.layout != "disaggregated"
         names = ("engine-0", "engine-1") if pooled else ("prefill-0", "decode-0")
         observer = Observer(opts.observability, url, [
             (name, spec.role, spec.url) for name, spec in zip(names, (prefill_spec, decode_spec))])
@@ -228,14 +255,40 @@ def run_dev(opts: DevOptions) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
+        hold_stop_signals()
         with reporting_shutdown():
-            if observer is not None:
-                observer.stop()
-            if supervisor is not None:
-                supervisor.stop()
-            stop_engines(engines)
-            if link is not None:
-                link.destroy()
+            run_each([
+                ("supervisor", supervisor.stop if supervisor is not None else None),
+                ("engines", lambda: stop_engines(engines)),
+                ("prometheus", observer.stop if observer is not None else None),
+                ("throttled link", link.destroy if link is not None else None),
+            ])
+
+
+def _unwind(code: int) -> None:
+    hold_stop_signals()  # now: a second signal must not unwind the cleanup this one starts
+    sys.exit(code)
+
+
+def hold_stop_signals() -> None:
+    """From here on a stop signal (a second Ctrl-C, the init system's SIGTERM after its own
+    grace, SIGHUP) is ignored: raised inside the cleanup, it would unwind past
+    ``stop_engines`` and leave the engines running. The cleanup is bounded (each engine's
+    grace, then SIGKILL). A Python handler, not ``SIG_IGN``: that would be inherited by what
+    the cleanup starts (``ip`` for the throttled link)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+
+
+def run_each(steps: Sequence[tuple[str, Callable[[], object] | None]]) -> None:
+    """Run every cleanup step in order, whatever the ones before it raised (logged)."""
+    for name, step in steps:
+        if step is None:
+            continue
+        try:
+            step()
+        except Exception:
+            log.exception("stopping the %s failed", name)
 
 
 def confinement_report(engines: Sequence[EngineProcess]) -> None:
@@ -260,4 +313,8 @@ def _write_run_file(log_dir: Path, opts: DevOptions, engines: Sequence[EnginePro
             for e in engines
         ],
     }
-    (log_dir / "run.json").write_text(json.dumps(info, indent=2))
+    # Whole or not at all, for whoever reads it meanwhile (rewritten on every restart).
+    fd, tmp = tempfile.mkstemp(dir=log_dir, prefix=".run.json.")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(info, indent=2))
+    os.replace(tmp, log_dir / "run.json")

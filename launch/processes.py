@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launch import reaper
 from launch.engines import EngineSpec, engine_argv, engine_env
@@ -26,6 +27,9 @@ from launch.isolation import confine, parse_cores
 #: ``ValueError: ...``, ``torch.OutOfMemoryError: ...``, ``RuntimeError: ...`` (a traceback's end).
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)?(Error|Exception|Exit)\b[\w.]*: ")
 
+
+#: How a restart's banner starts in an engine's log (appended to, not rewritten, on a restart).
+RESTART_BANNER = "===== pdserve: "
 
 #: vLLM prefixes its engine-core process's lines: ``(EngineCore_DP0 pid=123) ...``.
 _PROCESS_PREFIX = re.compile(r"^\([^)]*\)\s*")
@@ -37,6 +41,24 @@ class PortBusy(RuntimeError):
 
 class EngineFailed(RuntimeError):
     pass
+
+
+def check_port_plan(ports: Sequence[tuple[str, int]]) -> None:
+    """Raise ValueError for a (purpose, port) outside 1-65535, or a port given two purposes
+    (each would be free on its own: the second server to bind it would fail, after the
+    engines had loaded)."""
+    bad = [f"{port} ({purpose})" for purpose, port in ports if not 1 <= port <= 65535]
+    if bad:
+        raise ValueError("port(s) out of range 1-65535: " + ", ".join(bad))
+    owners: dict[int, list[str]] = {}
+    for purpose, port in ports:
+        owners.setdefault(port, []).append(purpose)
+    shared = [f"{port} ({' and '.join(names)})" for port, names in owners.items()
+              if len(names) > 1]
+    if shared:
+        raise ValueError("port(s) given twice: " + ", ".join(shared) + ". Pick ports apart "
+                         "(--port, --engine-base-port: prefill engine on it, decode on the "
+                         "next; --side-channel-base-port; --prometheus-port).")
 
 
 def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") -> None:
@@ -94,21 +116,24 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def last_log_line(self) -> str:
+    def _log_lines(self) -> list[str]:
+        """This run's lines of the engine's log: those after the last restart's banner."""
         try:
             lines = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
-            return ""
+            return []
+        starts = [i for i, line in enumerate(lines) if line.startswith(RESTART_BANNER)]
+        return lines[starts[-1] + 1:] if starts else lines
+
+    def last_log_line(self) -> str:
+        lines = self._log_lines()
         return lines[-1][-160:] if lines else ""
 
     def root_cause(self) -> str:
-        """The line of the engine's log that says why it died: the last exception raised that
-        is not vLLM's "see root cause above" wrapper (an engine's last line is usually a
-        warning printed while it shut down), else the last line."""
-        try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
+        """The line of the engine's log that says why it died: the last exception this run
+        raised that is not vLLM's "see root cause above" wrapper (an engine's last line is
+        usually a warning printed while it shut down), else the last line."""
+        lines = self._log_lines()
         for line in reversed(lines):
             text = _PROCESS_PREFIX.sub("", line.strip())
             if _EXCEPTION_LINE.match(text) and "root cause above" not in text:
@@ -123,15 +148,6 @@ class EngineProcess:
             return False
 
 
-def _child_setup(cores: frozenset[int] | None, parent: int | None) -> None:
-    """In the child, before exec: its cores (inherited by every process and thread the engine
-    starts, ``launch/isolation.py``), and SIGTERM when ``parent`` (when given) dies."""
-    if parent is not None:
-        reaper.die_with_parent(parent)
-    if cores:
-        confine(cores)
-
-
 def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
     """The engine's command line; one that must die with its parent runs under
     ``launch/reaper.py``, which takes the engine's own children (vLLM's engine core) with it."""
@@ -139,19 +155,22 @@ def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
     return [sys.executable, "-m", reaper.__name__, "--", *argv] if die_with_parent else argv
 
 
-def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
-                 append_log: bool = False) -> EngineProcess:
+def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = True,
+                 append_log: bool = False, own_session: bool = False) -> EngineProcess:
+    """Start one engine, its log in ``log_dir``. ``die_with_parent``: under the reaper, which
+    gets SIGTERM when this process ends however it ends (``reaper.popen_dying_with_us``) and
+    stops everything the engine started; without it, an engine outlives a parent killed
+    outright. ``own_session``: a session of its own (see below)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
-    parent = os.getpid() if die_with_parent else None
     log_file = open(log_path, "ab" if append_log else "wb")
     if append_log:
-        log_file.write(f"\n===== pdserve: {spec.role} engine restarted at "
+        log_file.write(f"\n{RESTART_BANNER}{spec.role} engine restarted at "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())
         log_file.flush()
-    popen = subprocess.Popen(
-        launch_argv(spec, die_with_parent),
+    argv = launch_argv(spec, die_with_parent)
+    popen_kwargs: dict[str, Any] = dict(
         env=engine_env(spec),
         stdout=log_file,
         stderr=subprocess.STDOUT,
@@ -161,13 +180,18 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
         # Linux shares CPU between sessions ("autogroups") before tasks, so an engine in a
         # session of its own, whose workers spin between steps, held the proxy off a shared
         # core for a whole time slice at each of its wake-ups (measured: +2-4 ms per request
-        # at c=1). A Ray actor's engine (die_with_parent) keeps a session of its own, as Ray's
-        # own teardown was tested with.
-        start_new_session=die_with_parent,
-        process_group=None if die_with_parent else 0,
-        preexec_fn=lambda: _child_setup(cores, parent),
+        # at c=1). A Ray actor's engine keeps a session of its own, as Ray's own teardown was
+        # tested with.
+        start_new_session=own_session,
+        process_group=None if own_session else 0,
+        # Its cores, inherited by every process and thread it starts (launch/isolation.py).
+        preexec_fn=(lambda: confine(cores)) if cores else None,
     )
-    log_file.close()
+    try:
+        popen = (reaper.popen_dying_with_us(argv, **popen_kwargs) if die_with_parent
+                 else subprocess.Popen(argv, **popen_kwargs))
+    finally:
+        log_file.close()
     return EngineProcess(spec, popen, log_path)
 
 

@@ -161,7 +161,7 @@ class EngineHost:
         self.kv_bytes_per_token = (kv_bytes_per_token_for_model(model_path, self.spec.dtype)
                                    if os.path.isdir(model_path) else None)
         self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
-                                                die_with_parent=True)
+                                                die_with_parent=True, own_session=True)
         self._stopping = threading.Event()
         self.failed: str | None = None
         threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()

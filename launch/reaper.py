@@ -1,8 +1,8 @@
 """Run one command so that nothing it starts outlives it, and it does not outlive our parent.
 
-``python -m launch.reaper -- <argv>``. Ray mode starts each engine through this (a Ray actor's
-engine, ``launch/processes.py``), because the kernel's parent-death signal reaches one process
-only: an actor that dies outright (its raylet gone) SIGTERMs the vLLM API server, and vLLM's
+``python -m launch.reaper -- <argv>``. Every engine is started through this (dev mode's and a
+Ray actor's, ``launch/processes.py``), because the kernel's parent-death signal reaches one
+process only: an actor that dies outright (its raylet gone) SIGTERMs the vLLM API server, and vLLM's
 ``VLLM::EngineCore`` child, a grandchild of the actor, was left running (a cluster-loss test
 found them; they then held the node's cores and ports).
 
@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -50,6 +54,53 @@ def die_with_parent(parent: int | None = None, sig: int = signal.SIGTERM) -> Non
     _prctl(PR_SET_PDEATHSIG, sig)
     if parent is not None and os.getppid() != parent:
         os._exit(1)
+
+
+def popen_dying_with_us(argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen_kwargs)`` whose process gets SIGTERM when this one
+    ends, however it ends (SIGKILL and the OOM killer included); a ``preexec_fn`` given runs
+    after that is set up.
+
+    The kernel sends the parent-death signal when the *thread* that forked the child ends, not
+    the process: so every such child is forked on one thread that lives as long as the
+    process. (Dev mode restarts engines on its supervisor thread; forked there, they would be
+    stopped whenever that thread ended.)"""
+    parent, preexec = os.getpid(), popen_kwargs.pop("preexec_fn", None)
+
+    def setup() -> None:
+        die_with_parent(parent)
+        if preexec is not None:
+            preexec()
+
+    return _on_forking_thread(lambda: subprocess.Popen(list(argv), preexec_fn=setup,
+                                                       **popen_kwargs))
+
+
+_forks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+_forking_thread: threading.Thread | None = None
+_forking_thread_lock = threading.Lock()
+
+
+def _on_forking_thread(start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+    global _forking_thread
+    with _forking_thread_lock:
+        if _forking_thread is None or not _forking_thread.is_alive():
+            # A daemon thread that never returns: it ends only with the process.
+            _forking_thread = threading.Thread(target=_fork_forever, name="pdserve-forker",
+                                               daemon=True)
+            _forking_thread.start()
+    started: Future[subprocess.Popen] = Future()
+    _forks.put((start, started))
+    return started.result()
+
+
+def _fork_forever() -> None:
+    while True:
+        start, started = _forks.get()
+        try:
+            started.set_result(start())
+        except BaseException as exc:  # the caller's to handle, not this thread's end
+            started.set_exception(exc)
 
 
 def descendants() -> list[int]:

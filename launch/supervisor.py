@@ -3,10 +3,12 @@
 A background thread looks at each engine twice a second. One that exited while dev mode was
 running is started again with the same spec (same ports, so the proxy finds it at the same url;
 the proxy marks it down on its first failed call or probe, and warms the new engine up with its
-peers before routing to it again). An engine that keeps dying soon after starting is in a crash
-loop: it is restarted with a growing pause, and after ``max_quick_deaths`` deaths in a row it is
-left down with its last log line reported (dev mode keeps serving what it can: with the prefill
-engine down every request is served ``local``).
+peers before routing to it again). An engine that keeps dying soon after starting, or before it
+ever answered ``/health`` (however long its start-up took), or that cannot be started at all,
+is in a crash loop: it is restarted with a growing pause, and after ``max_quick_deaths`` such
+deaths in a row it is left down with its last log line reported (dev mode keeps serving what it
+can: with the prefill engine down every request is served ``local``). Nothing one engine does
+ends the watch: a failure is logged and the thread carries on.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ GUARD_EVERY_S = 10.0
 @dataclass
 class _Watch:
     started: float
+    #: It answered ``/health`` since it was last started.
+    ready: bool = False
     quick_deaths: int = 0
     retry_at: float | None = None
     gave_up: bool = False
@@ -74,35 +78,61 @@ class Supervisor:
         last_guard = time.monotonic()
         while not self._stop.wait(self._poll_s):
             for i in range(len(self.engines)):
-                self.check(i, time.monotonic())
+                try:
+                    self.check(i, time.monotonic())
+                except Exception:  # one engine's bad moment must not end everyone's watch
+                    log.exception("supervising %s failed", self.engines[i].name)
             if time.monotonic() - last_guard >= GUARD_EVERY_S:  # threads that moved themselves
                 last_guard = time.monotonic()
-                guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in self.engines
-                       if e.alive()), log.warning)
+                try:
+                    guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in self.engines
+                           if e.alive()), log.warning)
+                except Exception:
+                    log.exception("checking the engines' cores failed")
 
     def check(self, i: int, now: float) -> None:
         """Look at engine ``i`` at time ``now``: note a death, restart when its pause is over."""
         engine, watch = self.engines[i], self._watch[i]
-        if engine.alive() or watch.gave_up or self._stop.is_set():
+        if watch.gave_up or self._stop.is_set():
+            return
+        if engine.alive():
+            if not watch.ready:  # until it answers once, a death is a failed start
+                watch.ready = engine.healthy()
             return
         if watch.retry_at is None:  # just found dead
-            quick = now - watch.started < self._quick_s
-            watch.quick_deaths = watch.quick_deaths + 1 if quick else 1
             log.warning("%s exited with code %s: %r", engine.name,
                         engine.popen.returncode, engine.root_cause())
-            if watch.quick_deaths > self._max_quick_deaths:
-                watch.gave_up = True
-                log.error("%s died %d times within %.0fs of starting: left down (log: %s)",
-                          engine.name, watch.quick_deaths, self._quick_s, engine.log_path)
+            # Quick: soon after its start, or before it ever served (a start-up longer than
+            # quick_s, a big model's load, ends in the same crash every time).
+            quick = not watch.ready or now - watch.started < self._quick_s
+            if not self._died(engine, watch, now, quick):
                 return
             stop_engines([engine], grace_s=2.0)  # whatever is left of its process group
-            watch.retry_at = now + min(30.0, 2.0 ** (watch.quick_deaths - 1))
-        if now < watch.retry_at:
+        if watch.retry_at is None or now < watch.retry_at:
             return
         watch.retry_at = None
-        watch.started = now
-        self.engines[i] = self._start(engine)
+        watch.started, watch.ready = now, False
+        try:
+            self.engines[i] = self._start(engine)
+        except Exception:  # fork failing (EAGAIN), its log dir gone: a start that failed at once
+            log.exception("restarting %s failed", engine.name)
+            self._died(engine, watch, now, quick=True)
+            return
         self.restarts += 1
         log.warning("%s restarted (pid %d)", engine.name, self.engines[i].popen.pid)
         if self._on_restart is not None:
-            self._on_restart(self.engines)
+            try:
+                self._on_restart(self.engines)
+            except Exception:
+                log.exception("after restarting %s", engine.name)
+
+    def _died(self, engine: EngineProcess, watch: _Watch, now: float, quick: bool) -> bool:
+        """Count a death; schedule the restart (True) or leave the engine down (False)."""
+        watch.quick_deaths = watch.quick_deaths + 1 if quick else 1
+        if watch.quick_deaths > self._max_quick_deaths:
+            watch.gave_up = True
+            log.error("%s died %d times soon after starting: left down (log: %s)",
+                      engine.name, watch.quick_deaths, engine.log_path)
+            return False
+        watch.retry_at = now + min(30.0, 2.0 ** (watch.quick_deaths - 1))
+        return True

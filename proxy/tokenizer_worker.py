@@ -5,13 +5,15 @@ Reads framed requests on stdin and answers each on stdout, one at a time, in ord
 ``(n_tokens, {block_size: keys as int64 bytes})`` or None; ``("ids", body)`` → a list of ids or
 None; ``("info",)`` → :class:`proxy.tokens.TokenizerInfo`. Before the first request it loads the
 tokenizer and writes one frame, ``"ready"``. It exits at end of input (the proxy closed the pipe
-or died). The proxy's side is :mod:`proxy.tokenizer_pool`; nothing else speaks this.
+or died), not on SIGINT (a terminal's Ctrl-C, meant for the proxy). The proxy's side is
+:mod:`proxy.tokenizer_pool`; nothing else speaks this.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import struct
 import sys
 from typing import Any, BinaryIO
@@ -61,6 +63,10 @@ def serve(model_dir: str, stdin: BinaryIO, stdout: BinaryIO) -> None:
 
 
 def main() -> None:
+    # A terminal's Ctrl-C reaches the whole foreground group, this worker too: the proxy is
+    # then draining, its requests still in flight need their tokenizer. The worker ends when
+    # the proxy closes its stdin (or dies).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     model_dir, nice = sys.argv[1], int(sys.argv[2])
     os.nice(nice)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

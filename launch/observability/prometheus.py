@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from launch.reaper import popen_dying_with_us
+
 HERE = Path(__file__).parent
 RULES = HERE / "rules.yml"
 DASHBOARD = HERE / "dashboard.json"
@@ -37,22 +39,29 @@ def binary() -> str | None:
         None)
 
 
+def require_binary() -> str:
+    """The ``prometheus`` binary's path; FileNotFoundError, saying how to get one, if none."""
+    exe = binary()
+    if exe is None:
+        raise FileNotFoundError("no prometheus binary (--observability runs one): apt-get "
+                                "install prometheus (Debian), or put one on the PATH")
+    return exe
+
+
 class Prometheus:
     """A Prometheus server process; :meth:`stop` ends it (SIGTERM, then SIGKILL)."""
 
     def __init__(self, workdir: Path, targets_file: Path, host: str = "127.0.0.1",
                  port: int = 9090, interval_s: float = 5.0):
-        exe = binary()
-        if exe is None:
-            raise FileNotFoundError("no prometheus binary: apt-get install prometheus (Debian), "
-                                    "or put one on the PATH")
+        exe = require_binary()
         workdir.mkdir(parents=True, exist_ok=True)
         config = workdir / "prometheus.yml"
         config.write_text(scrape_config(targets_file, interval_s))
         self.url = f"http://{host}:{port}"
         self.log_path = workdir / "prometheus.log"
         with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(
+            # Stopped with the deployment, and with this process however it ends.
+            self.popen = popen_dying_with_us(
                 [exe, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
                  f"--web.listen-address={host}:{port}", "--web.enable-lifecycle"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from launch.isolation import guard, parse_cores, sharing, strays, tree_threads
-from launch.processes import _child_setup
+from launch.isolation import confine, guard, parse_cores, sharing, strays, tree_threads
 
 # A parent that starts a thread and a child process, then moves that thread to every core.
 _SCRIPT = r"""
@@ -47,7 +46,7 @@ def test_sharing_names_engines_on_the_same_core():
 def test_a_confined_tree_stays_and_a_wanderer_is_put_back():
     core = frozenset({1})
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: _child_setup(core, None))
+                            preexec_fn=lambda: confine(core))
     try:
         wanderer = int(proc.stdout.readline())
         deadline = time.monotonic() + 10

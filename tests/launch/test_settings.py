@@ -142,3 +142,29 @@ def test_cpu_engines_default_to_float32_even_with_amx():
     for mode in ("dev", "ray"):
         args = parsers()[mode].parse_args(["--dtype", "bfloat16"])
         assert from_args(EngineSettings, args).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--engine-base-port", "65535"], "out of range 1-65535"),  # the decode engine on 65536
+    (["--port", "29101"], "29101 (proxy and decode engine)"),
+    (["--engine-base-port", "29199"], "29200 (decode engine and prefill NIXL side channel)"),
+    (["--headers-deadline-s", "700"], "total_deadline_s must be >= headers_deadline_s"),
+    (["--model", "someorg/somemodel"], "not a local model directory"),
+    (["--observability", "--prometheus-port", "29399"], "no prometheus binary"),
+])
+def test_dev_flags_that_cannot_work_are_refused_before_any_engine_starts(argv, named, capsys,
+                                                                         monkeypatch):
+    """Each used to be found only once the engines had loaded (minutes), or as a traceback."""
+    from launch import dev
+    from launch.models import ensure_model
+
+    started = []
+    monkeypatch.setattr(dev, "start_engine", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("launch.observability.prometheus.binary", lambda: None)
+    base = ["dev", "--model", str(ensure_model("tiny")), "--port", "29301",
+            "--engine-base-port", "29100", "--side-channel-base-port", "29200",
+            "--kv-events-base-port", "29210"]
+    assert cli.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: error:") and named in err, err
+    assert not started

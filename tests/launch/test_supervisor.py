@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from launch.supervisor import Supervisor
 
 def proc(code: str, role: str = "decode", tmp: Path = Path("/tmp")) -> EngineProcess:
     popen = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
-    return EngineProcess(SimpleNamespace(role=role, port=1), popen, tmp / "none.log")
+    spec = SimpleNamespace(role=role, port=1, url="http://127.0.0.1:1", cpu_cores=None)
+    return EngineProcess(spec, popen, tmp / "none.log")  # type: ignore[arg-type]
 
 
 RUNS = "import time; time.sleep(60)"
@@ -50,6 +52,27 @@ def test_a_dead_engine_is_restarted_in_place_and_reported(tmp_path):
         e.popen.kill()
 
 
+def test_the_run_file_is_replaced_whole_on_a_restart(tmp_path):
+    """Whoever reads run.json while a restart rewrites it gets the old file or the new one,
+    never a truncated one (it used to be rewritten in place)."""
+    from launch.dev import DevOptions, _write_run_file
+
+    opts = DevOptions(model_path="/m", served_model_name="m")
+    engines = [proc(RUNS, "prefill", tmp_path), proc(RUNS, "decode", tmp_path)]
+    for e in engines:
+        e.spec.url, e.spec.side_channel_port = "http://127.0.0.1:1", 2
+    try:
+        _write_run_file(tmp_path, opts, engines[:1])
+        with open(tmp_path / "run.json") as reading:
+            _write_run_file(tmp_path, opts, engines)
+            assert len(json.loads(reading.read())["engines"]) == 1
+        assert len(json.loads((tmp_path / "run.json").read_text())["engines"]) == 2
+        assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+    finally:
+        for e in engines:
+            e.popen.kill()
+
+
 def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
     starts = []
 
@@ -75,6 +98,85 @@ def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
     gaps = [round(b - a) for a, b in zip(pauses, pauses[1:])]
     assert gaps == [2, 4], gaps  # each pause counted from the death, deaths are immediate
     assert sup.restarts == 3 and not engines[0].alive()
+
+
+def test_an_engine_that_dies_before_it_ever_served_is_a_crash_loop_however_slow(tmp_path):
+    """A start-up longer than quick_s (a big model's load, SmolLM2 on a busy CPU) ending in the
+    same crash each time (its KV cache does not fit) used to count as a death "long after
+    start": restarted every second, forever, although it never once served."""
+    starts = []
+
+    def start(dead: EngineProcess) -> EngineProcess:
+        starts.append(1)
+        e = proc(DIES)
+        wait_dead(e)
+        return e
+
+    engines = [proc(DIES)]
+    wait_dead(engines[0])
+    sup = Supervisor(engines, tmp_path, start=start, quick_s=120.0, max_quick_deaths=3)
+    now = time.monotonic()
+    sup._watch[0].started = now - 200
+    for _ in range(20):
+        sup.check(0, now)  # found dead, 130 s after its start
+        now += 1.01
+        sup.check(0, now)  # restarted if its pause is over
+        now += 130
+    assert len(starts) == 3 and sup._watch[0].gave_up
+
+
+def test_an_engine_that_served_and_died_long_after_start_is_restarted_at_once(tmp_path):
+    engines = [proc(RUNS)]
+    sup = Supervisor(engines, tmp_path, start=lambda d: proc(RUNS), quick_s=120.0)
+    engines[0].healthy = lambda: True  # type: ignore[method-assign]
+    now = time.monotonic()
+    sup.check(0, now)  # alive and answering
+    engines[0].popen.kill()
+    wait_dead(engines[0])
+    for _ in range(3):  # each time it served, then died long after
+        sup.check(0, now + 200)
+        sup.check(0, now + 201.01)
+        assert engines[0].alive() and sup._watch[0].quick_deaths == 1
+        engines[0].healthy = lambda: True  # type: ignore[method-assign]
+        sup.check(0, now + 202)
+        engines[0].popen.kill()
+        wait_dead(engines[0])
+        now += 300
+    assert sup.restarts == 3 and not sup._watch[0].gave_up
+    engines[0].popen.kill()
+
+
+def test_a_failed_restart_is_retried_and_the_watch_goes_on(tmp_path):
+    """Starting an engine can raise (fork's EAGAIN, its log dir gone): that used to end the
+    supervisor's thread, silently, and no engine was ever restarted again."""
+    calls = []
+
+    def start(dead: EngineProcess) -> EngineProcess:
+        calls.append(dead.spec.role)
+        if len(calls) == 1:
+            raise OSError(11, "Resource temporarily unavailable")
+        return proc(RUNS, dead.spec.role)
+
+    engines = [proc(RUNS, "prefill"), proc(RUNS, "decode")]
+    sup = Supervisor(engines, tmp_path, start=start, quick_s=0.0, poll_s=0.05).start()
+    try:
+        engines[0].popen.kill()
+        deadline = time.monotonic() + 10
+        while len(calls) < 2:  # the failed start, then its retry (2 s later: a quick death)
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.05)
+        killed = engines[1]
+        killed.popen.kill()
+        wait_dead(killed)
+        while engines[1] is killed:
+            assert time.monotonic() < deadline and sup._thread.is_alive(), calls
+            time.sleep(0.05)
+        assert engines[0].alive() and engines[1].alive()
+        assert calls == ["prefill", "prefill", "decode"] and sup.restarts == 2
+    finally:
+        sup.stop()
+        for e in engines:
+            e.popen.kill()
 
 
 def test_no_restart_after_stop(tmp_path):
@@ -125,6 +227,26 @@ def test_a_dead_engine_is_reported_by_its_root_cause(tmp_path):
     assert proc.root_cause() == "KeyError: 'x'"
     log.write_text("INFO starting\nINFO stopping\n")
     assert proc.root_cause() == "INFO stopping"
+
+
+def test_a_restarted_engine_is_reported_by_its_own_run_not_the_one_before(tmp_path,
+                                                                         monkeypatch):
+    """The log is appended to on a restart: a second death with no exception (the OOM
+    killer, SIGKILL) was reported with the first run's exception."""
+    import launch.processes as processes
+    from launch.engines import EngineSpec
+
+    spec = EngineSpec("decode", "m", "m", 1, 2)
+    log = tmp_path / "decode-1.log"
+    log.write_text("INFO starting\nValueError: the KV cache does not fit\n")
+    first = EngineProcess(spec, None, log)  # type: ignore[arg-type]
+    assert first.root_cause() == "ValueError: the KV cache does not fit"
+    monkeypatch.setattr(processes, "engine_argv", lambda spec: [
+        sys.executable, "-c", "print('INFO starting'); print('INFO serving')"])
+    again = processes.start_engine(spec, tmp_path, append_log=True)
+    again.popen.wait(30)
+    assert "ValueError" in log.read_text()
+    assert again.root_cause() == again.last_log_line() == "INFO serving"
 
 
 @pytest.mark.parametrize(("blocks", "gib", "ok"), [(24, 1, False), (32, 1, True), (None, 1, True)])

@@ -119,6 +119,20 @@ async def test_a_dead_worker_is_replaced(tiny_dir):
         await pool.close()
 
 
+async def test_a_worker_outlives_the_terminals_ctrl_c(tiny_dir):
+    """Ctrl-C reaches the whole foreground group: the proxy drains, and its workers, which
+    used to die of it, must keep serving the requests still in flight."""
+    pool = await TokenizerPool.start(tiny_dir, workers=1, inline_chars=0)
+    try:
+        (worker,) = pool._workers
+        worker.proc.send_signal(signal.SIGINT)
+        measured = await pool.measure({"prompt": words(500)}, [BS])
+        assert measured is not None and pool._workers[0] is worker
+        assert worker.proc.returncode is None
+    finally:
+        await pool.close()
+
+
 async def test_a_hung_worker_is_replaced_and_holds_no_caller(tiny_dir, monkeypatch):
     """A worker that stops answering (SIGSTOP here; a stuck tokenizer, a pipe out of step)
     would hold its caller, and every prompt queued behind it, for good."""
