@@ -48,8 +48,8 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=RayOptions.address,
                    help="Ray cluster to join ('auto' on a ray-up head); default: start a local one")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' / 'tiny' (built on every node) or a model directory present "
-                        "on every node")
+                   help="'smollm2' / 'tiny' (built on every node), a model directory present "
+                        "on every node, or a hub id (each engine's node downloads it)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--prefill", type=int, default=RayOptions.prefill, help="prefill engines")
     p.add_argument("--decode", type=int, default=RayOptions.decode, help="decode engines")

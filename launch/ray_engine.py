@@ -26,6 +26,7 @@ from typing import Any
 
 from launch.engines import EngineSpec, default_dtype, detect_device, private_socket_dir
 from launch.isolation import guard
+from launch.models import model_config
 from launch.processes import EngineProcess, start_engine, stop_engines
 from launch.settings import EngineSettings
 from transport.kv_size import kv_bytes_per_token_for_model
@@ -40,7 +41,9 @@ LOCK_DIR = Path("/tmp/pdserve-ports")
 class EngineTemplate:
     """What every engine of a deployment shares; the actor adds role, place and ports."""
 
-    model: str  # a built-in name ("tiny", "smollm2", built on each node) or a path on every node
+    #: A built-in name ("tiny", "smollm2", built on each node), a path on every node, or a hub
+    #: id (vLLM downloads it on each node).
+    model: str
     served_model_name: str
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
     log_dir: str = "/tmp/pdserve-ray-logs"
@@ -137,6 +140,13 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
     )
 
 
+def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
+    """KV bytes per token (KV cache dtype = the engine's) from the model's config on this
+    node: a directory's, or a hub id's once its engine downloaded it; None until then."""
+    config = model_config(model)
+    return None if config is None else kv_bytes_per_token_for_model(config.parent, dtype)
+
+
 class EngineHost:
     """The actor body (wrapped by :func:`engine_host_class`). One engine per actor."""
 
@@ -158,8 +168,8 @@ class EngineHost:
         self._ports = PortReservation(host, 3)
         self.spec = engine_spec_for_node(t, role, ordinal, host, self._ports.ports,
                                          model_path)
-        self.kv_bytes_per_token = (kv_bytes_per_token_for_model(model_path, self.spec.dtype)
-                                   if os.path.isdir(model_path) else None)
+        self._model_path = model_path
+        self.kv_bytes_per_token = model_kv_bytes_per_token(model_path, self.spec.dtype)
         self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
                                                 die_with_parent=True)
         self._stopping = threading.Event()
@@ -194,6 +204,10 @@ class EngineHost:
             os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        healthy = self.failed is None and self.proc.healthy()
+        if healthy and self.kv_bytes_per_token is None:  # a hub id: vLLM has it locally now
+            self.kv_bytes_per_token = model_kv_bytes_per_token(self._model_path,
+                                                               self.spec.dtype)
         return {
             "name": self.name, "role": self.role, "url": self.spec.url,
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
@@ -202,7 +216,7 @@ class EngineHost:
             "cpu_cores": self.spec.cpu_cores,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
             "restarted": self.restarted, "failed": self.failed,
-            "healthy": self.failed is None and self.proc.healthy(),
+            "healthy": healthy,
         }
 
     def stop(self) -> None:

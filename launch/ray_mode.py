@@ -35,6 +35,7 @@ from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from launch.settings import EngineSettings, ProxySettings
 from launch.shutdown import run_server
+from proxy.policy_mode import parse_policy
 from proxy.pool import EndpointInfo
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,21 @@ def report_core_sharing(infos: list[dict[str, Any]]) -> None:
         for core, names in sharing(assignments).items():
             print(f"warning: node {node}: {', '.join(sorted(names))} share core {core} "
                   "(more engines than cores)", file=sys.stderr, flush=True)
+
+
+def deployment_kv_bytes_per_token(infos: list[dict[str, Any]], policy: str, model: str
+                                  ) -> int | None:
+    """The KV bytes per token the ready engines found in the model's config (a hub id's is in
+    the Hugging Face cache of each engine's node once it loaded it). None when none found
+    one; RuntimeError then if the policy needs it, saying what to do instead."""
+    kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
+    if kvb is None and parse_policy(policy).kind == "auto":
+        raise RuntimeError(
+            f"policy 'auto' needs the KV size of {model}, and no engine found its config.json "
+            "(neither a model directory nor a hub id in the Hugging Face cache of its node): "
+            "give a model directory present on every node, or a fixed --policy "
+            "(disaggregate, local, threshold:N)")
+    return kvb
 
 
 @dataclass(frozen=True)
@@ -316,7 +332,7 @@ def run_ray(opts: RayOptions) -> int:
 
         infos = wait_engines_ready(scaler.handles, opts.start_timeout_s, progress)
         report_core_sharing(infos)
-        kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
+        kvb = deployment_kv_bytes_per_token(infos, opts.proxy.policy, opts.template.model)
         # Ordinal order: the proxy names configured engines <role>-<index>, like the actors.
         by_role = {r: sorted((i for i in infos if i["role"] == r),
                              key=lambda i: int(i["name"].rsplit("-", 1)[1]))

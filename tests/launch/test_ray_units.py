@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from launch.engines import private_socket_dir
 from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
 from launch.ray_mode import (
@@ -17,6 +19,9 @@ from launch.ray_mode import (
     unplaceable,
 )
 from launch.settings import EngineSettings
+
+TEMPLATE = EngineTemplate(model="tiny", served_model_name="pdserve-tiny",
+                          engines=EngineSettings(kv_cache_gib=1))
 
 
 def test_reservations_never_overlap_and_skip_busy_ports(tmp_path):
@@ -114,3 +119,74 @@ def test_the_cli_takes_a_resource_per_role():
     assert (args.prefill_on, args.decode_on) == ("pd_prefill", None)
     args = parser.parse_args(["ray", "--decode-on", "pd_a,pd_b"])
     assert args.decode_on == "pd_a,pd_b"
+
+
+def _hub_cache(root, repo_id: str, config: dict) -> None:
+    """The Hugging Face cache layout vLLM's download leaves: refs/main -> a snapshot."""
+    import json
+
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(config))
+
+
+QWEN_LIKE = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "hidden_size": 3584}
+
+
+def test_an_engine_of_a_hub_model_reports_its_kv_size_once_ready(tmp_path, monkeypatch):
+    """A hub id (the GPU template's ``--model``) is no directory: the engine downloads it, and
+    once ready its actor reads the config from the Hugging Face cache, so the proxy's 'auto'
+    policy gets a KV size (it refused to start without one)."""
+    import huggingface_hub.constants
+
+    from launch.ray_engine import EngineHost, model_kv_bytes_per_token
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_kv_bytes_per_token("Org/Model-7B", "bfloat16") is None  # not downloaded yet
+    host = object.__new__(EngineHost)
+    host.name, host.role, host.failed, host.restarted = "decode-0", "decode", None, False
+    host.node_ip, host.node_id, host.kv_bytes_per_token = "10.0.0.7", "n", None
+    host._model_path = "Org/Model-7B"
+    host.spec = engine_spec_for_node(TEMPLATE, "decode", 0, "10.0.0.7", [1, 2, 3], "Org/Model-7B")
+
+    class Proc:
+        popen = type("P", (), {"pid": 1})()
+        log_path = "/log"
+
+        def healthy(self):
+            return True
+
+    host.proc = Proc()  # type: ignore[assignment]
+    _hub_cache(tmp_path, "Org/Model-7B", QWEN_LIKE)  # what vLLM's download left
+    dtype_bytes = 4 if host.spec.dtype == "float32" else 2
+    assert host.info()["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * dtype_bytes
+
+
+def test_the_gpu_templates_model_is_sized_from_the_cache_its_engines_fill(tmp_path,
+                                                                           monkeypatch):
+    import re
+    from pathlib import Path
+
+    import huggingface_hub.constants
+
+    from launch.ray_engine import model_kv_bytes_per_token
+
+    yaml = (Path(__file__).resolve().parents[2] / "launch/cluster/gpu-aws.yaml").read_text()
+    model = re.search(r"pdserve ray .*--model (\S+)", yaml).group(1)  # type: ignore[union-attr]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    _hub_cache(tmp_path, model, QWEN_LIKE)
+    assert model_kv_bytes_per_token(model, "bfloat16") == 2 * 28 * 4 * 128 * 2
+
+
+def test_auto_policy_without_a_kv_size_is_refused_with_what_to_do():
+    from launch.ray_mode import deployment_kv_bytes_per_token
+
+    infos = [{"kv_bytes_per_token": None}, {"kv_bytes_per_token": 4096}]
+    assert deployment_kv_bytes_per_token(infos, "auto", "m") == 4096
+    none = [{"kv_bytes_per_token": None}]
+    assert deployment_kv_bytes_per_token(none, "disaggregate", "m") is None
+    with pytest.raises(RuntimeError, match="--policy"):
+        deployment_kv_bytes_per_token(none, "auto", "Org/Model")
