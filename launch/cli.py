@@ -69,7 +69,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=RayOptions.max_restarts,
                    help="restarts of a dead engine's actor (-1: always)")
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
-                   help="engine logs, on each engine's node")
+                   help="engine logs, on each engine's node (default: /tmp/pdserve-<uid>/logs)")
     p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
     _add_observability(p)
     _add_settings(p)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from launch import reaper
 from launch.engines import EngineSpec, engine_argv, engine_env
@@ -139,13 +140,20 @@ def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
     return [sys.executable, "-m", reaper.__name__, "--", *argv] if die_with_parent else argv
 
 
+def open_log(path: Path, append: bool) -> BinaryIO:
+    """An engine's log for writing: never through a link planted at ``path`` (OSError), and
+    readable by this user only (it holds prompts)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o600), "ab" if append else "wb")
+
+
 def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = False,
                  append_log: bool = False) -> EngineProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
     parent = os.getpid() if die_with_parent else None
-    log_file = open(log_path, "ab" if append_log else "wb")
+    log_file = open_log(log_path, append_log)
     if append_log:
         log_file.write(f"\n===== pdserve: {spec.role} engine restarted at "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())

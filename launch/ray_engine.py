@@ -34,7 +34,6 @@ from transport.kv_size import kv_bytes_per_token_for_model
 log = logging.getLogger(__name__)
 
 PORT_RANGE = (21000, 29000)
-LOCK_DIR = Path("/tmp/pdserve-ports")
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,8 @@ class EngineTemplate:
     model: str
     served_model_name: str
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
-    log_dir: str = "/tmp/pdserve-ray-logs"
+    #: Engine logs on each engine's node; None: ``/tmp/pdserve-<uid>/logs`` (private).
+    log_dir: str | None = None
     engines: EngineSettings = field(default_factory=EngineSettings)
     #: The address every engine binds: None = its node's cluster address; a local cluster
     #: (one machine) uses loopback.
@@ -58,37 +58,58 @@ class EngineTemplate:
         return asdict(self)
 
 
+def node_lock_dir(name: str) -> Path:
+    """``/tmp/pdserve-<uid>/<name>``: lock files only this user's processes on the node can
+    make or plant links in (a shared ``/tmp`` directory let another user point a lock file at
+    the engine user's files)."""
+    path = private_socket_dir() / name
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def hold_lock(path: Path) -> int | None:
+    """An exclusive lock on ``path`` (a file descriptor, held until closed or this process
+    ends); None when another process holds it or ``path`` is a link (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class PortReservation:
     """Ports held for this process's lifetime via per-port lock files on the node, so engine
     actors sharing a node never pick the same port (the locks vanish with the process)."""
 
     def __init__(self, host: str, count: int, port_range: tuple[int, int] = PORT_RANGE,
-                 lock_dir: Path = LOCK_DIR):
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        self._files = []
+                 lock_dir: Path | None = None):
+        lock_dir = lock_dir or node_lock_dir("ports")
+        self._fds: list[int] = []
         self.ports: list[int] = []
         for port in range(*port_range):
             if len(self.ports) == count:
                 break
-            f = open(lock_dir / f"{port}.lock", "w")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.close()
+            fd = hold_lock(lock_dir / f"{port}.lock")
+            if fd is None:
                 continue
             if not _bindable(host, port):
-                f.close()
+                os.close(fd)
                 continue
-            self._files.append(f)
+            self._fds.append(fd)
             self.ports.append(port)
         if len(self.ports) < count:
             self.release()
             raise RuntimeError(f"no {count} free ports in {port_range} on {host}")
 
     def release(self) -> None:
-        for f in self._files:
-            f.close()
-        self._files.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -170,7 +191,8 @@ class EngineHost:
                                          model_path)
         self._model_path = model_path
         self.kv_bytes_per_token = model_kv_bytes_per_token(model_path, self.spec.dtype)
-        self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
+        log_dir = Path(t.log_dir) if t.log_dir else private_socket_dir() / "logs"
+        self.proc: EngineProcess = start_engine(self.spec, log_dir / name,
                                                 die_with_parent=True)
         self._stopping = threading.Event()
         self.failed: str | None = None

@@ -190,3 +190,41 @@ def test_auto_policy_without_a_kv_size_is_refused_with_what_to_do():
     assert deployment_kv_bytes_per_token(none, "disaggregate", "m") is None
     with pytest.raises(RuntimeError, match="--policy"):
         deployment_kv_bytes_per_token(none, "auto", "Org/Model")
+
+
+def test_a_planted_lock_link_is_never_followed(tmp_path):
+    """A link at a port's lock path (another user's doing, in a shared directory) is skipped,
+    its target untouched: the lock files are opened without following links."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock_dir = tmp_path / "ports"
+    lock_dir.mkdir()
+    (lock_dir / "40300.lock").symlink_to(victim)
+    r = PortReservation("127.0.0.1", 1, (40300, 40310), lock_dir)
+    assert r.ports != [40300] and victim.read_text() == "precious\n"
+    r.release()
+
+
+def test_port_locks_and_engine_logs_are_this_users_alone(tmp_path):
+    """By default the locks live in the private per-user directory (0700), not a shared
+    ``/tmp`` one, each 0600; an engine log is opened the same way (no link followed)."""
+    import os
+    import stat
+
+    from launch.processes import open_log
+
+    r = PortReservation("127.0.0.1", 1, (40310, 40320))
+    lock = private_socket_dir() / "ports" / f"{r.ports[0]}.lock"
+    assert stat.S_IMODE(lock.lstat().st_mode) == 0o600
+    assert stat.S_IMODE(lock.parent.lstat().st_mode) == 0o700
+    r.release()
+    assert EngineTemplate(model="m", served_model_name="m").log_dir is None  # private default
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "decode-21000.log").symlink_to(victim)
+    with pytest.raises(OSError):
+        open_log(tmp_path / "decode-21000.log", append=False)
+    assert victim.read_text() == "precious\n"
+    with open_log(tmp_path / "prefill-21000.log", append=False) as f:
+        f.write(b"x")
+    assert stat.S_IMODE(os.stat(tmp_path / "prefill-21000.log").st_mode) == 0o600
