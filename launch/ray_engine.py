@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,32 @@ class PortReservation:
         self._fds.clear()
 
 
+class CoreReservation:
+    """The CPU core an engine computes on, held for this process's lifetime by a lock file
+    per (core, slot) on the node: the lowest free core first, so a node's engines spread over
+    its cores whatever their roles, ordinals or placement; a core takes a second engine only
+    once every core has one (slot 1 of every core before slot 2 of any). Ray's placement
+    cannot do this: it counts logical CPUs and does not pin."""
+
+    MAX_SLOTS = 64
+
+    def __init__(self, cores: Sequence[int] | None = None, lock_dir: Path | None = None):
+        cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        lock_dir = lock_dir or node_lock_dir("cores")
+        for slot in range(self.MAX_SLOTS):
+            for core in cores:
+                fd = hold_lock(lock_dir / f"{core}.{slot}.lock")
+                if fd is not None:
+                    self.core, self._fd = core, fd
+                    return
+        raise RuntimeError(f"no core to lock in {lock_dir}")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -132,11 +159,11 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node_ip: str,
-                         ports: list[int], model_path: str) -> EngineSpec:
-    """Pure: this engine's spec on this node (ports = [http, NIXL side channel, KV events])."""
+def engine_spec_for_node(template: EngineTemplate, role: str, node_ip: str, ports: list[int],
+                         model_path: str, cpu_core: int | None = None) -> EngineSpec:
+    """Pure: this engine's spec on this node (ports = [http, NIXL side channel, KV events];
+    ``cpu_core``: the core it computes on, on a CPU node)."""
     device = detect_device()
-    cores = os.cpu_count() or 1
     return EngineSpec(
         role=role,  # type: ignore[arg-type]
         model=model_path,
@@ -146,9 +173,8 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         kv_events_port=ports[2],
         host=node_ip,
         device=device,
-        # CPU: spread engines over the node's cores by ordinal (prefill-0 and decode-0 land on
-        # different cores). GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
-        cpu_cores=str((ordinal * 2 + (role == "decode")) % cores) if device == "cpu" else None,
+        # GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
+        cpu_cores=str(cpu_core) if device == "cpu" and cpu_core is not None else None,
         kv_cache_gib=template.engines.kv_cache_gib,
         gpu_memory_utilization=template.gpu_memory_utilization,
         dtype=default_dtype(device, template.engines.dtype),
@@ -171,7 +197,7 @@ def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
 class EngineHost:
     """The actor body (wrapped by :func:`engine_host_class`). One engine per actor."""
 
-    def __init__(self, name: str, role: str, ordinal: int, template: dict[str, Any]):
+    def __init__(self, name: str, role: str, template: dict[str, Any]):
         import ray
 
         from launch.models import ensure_model, same_on_every_node
@@ -187,8 +213,9 @@ class EngineHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         host = t.bind_host or self.node_ip
         self._ports = PortReservation(host, 3)
-        self.spec = engine_spec_for_node(t, role, ordinal, host, self._ports.ports,
-                                         model_path)
+        self._core = CoreReservation() if detect_device() == "cpu" else None
+        self.spec = engine_spec_for_node(t, role, host, self._ports.ports, model_path,
+                                         self._core.core if self._core else None)
         self._model_path = model_path
         self.kv_bytes_per_token = model_kv_bytes_per_token(model_path, self.spec.dtype)
         log_dir = Path(t.log_dir) if t.log_dir else private_socket_dir() / "logs"
@@ -246,6 +273,8 @@ class EngineHost:
         self._stopping.set()
         stop_engines([self.proc])
         self._ports.release()
+        if self._core is not None:
+            self._core.release()
 
 
 def engine_host_class(max_restarts: int = -1):

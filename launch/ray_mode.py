@@ -151,7 +151,7 @@ class RayScaler:
             self.handles[name] = self._cls.options(
                 name=name, namespace=self._namespace, **actor_resources(
                     self._accelerator, placement_resource(self._placement, role, ordinal))
-            ).remote(name, role, ordinal, self._template)
+            ).remote(name, role, self._template)
             names.append(name)
         return names
 

@@ -54,16 +54,16 @@ def test_reservation_is_held_by_another_process(tmp_path):
 def test_engine_spec_on_a_node():
     t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny",
                        engines=EngineSettings(kv_cache_gib=1))
-    p = engine_spec_for_node(t, "prefill", 0, "127.0.0.1", [21000, 21001, 21002], "/m")
-    d1 = engine_spec_for_node(t, "decode", 1, "127.0.0.1", [21003, 21004, 21005], "/m")
+    p = engine_spec_for_node(t, "prefill", "127.0.0.1", [21000, 21001, 21002], "/m", 0)
+    d1 = engine_spec_for_node(t, "decode", "127.0.0.1", [21003, 21004, 21005], "/m", 1)
     assert (p.url, p.side_channel_port, p.kv_events_endpoint) == (
         "http://127.0.0.1:21000", 21001, f"ipc://{private_socket_dir()}/kv-events-21002")
-    on_node = engine_spec_for_node(t, "decode", 0, "10.0.0.7", [21006, 21007, 21008], "/m")
+    on_node = engine_spec_for_node(t, "decode", "10.0.0.7", [21006, 21007, 21008], "/m")
     assert (on_node.url, on_node.kv_events_endpoint) == ("http://10.0.0.7:21006",
                                                          "tcp://10.0.0.7:21008")
     assert p.role == "prefill" and d1.role == "decode" and p.kv_cache_gib == 1
     assert p.ucx_device == "lo" == interface_of("127.0.0.1")
-    assert p.cpu_cores != d1.cpu_cores  # prefill and decode compute on different cores
+    assert (p.cpu_cores, d1.cpu_cores) == ("0", "1")  # the cores their actors reserved
     assert p.connector.cpu_fixes and p.connector.lease_s == 30
 
 
@@ -150,7 +150,7 @@ def test_an_engine_of_a_hub_model_reports_its_kv_size_once_ready(tmp_path, monke
     host.name, host.role, host.failed, host.restarted = "decode-0", "decode", None, False
     host.node_ip, host.node_id, host.kv_bytes_per_token = "10.0.0.7", "n", None
     host._model_path = "Org/Model-7B"
-    host.spec = engine_spec_for_node(TEMPLATE, "decode", 0, "10.0.0.7", [1, 2, 3], "Org/Model-7B")
+    host.spec = engine_spec_for_node(TEMPLATE, "decode", "10.0.0.7", [1, 2, 3], "Org/Model-7B")
 
     class Proc:
         popen = type("P", (), {"pid": 1})()
@@ -228,3 +228,33 @@ def test_port_locks_and_engine_logs_are_this_users_alone(tmp_path):
     with open_log(tmp_path / "prefill-21000.log", append=False) as f:
         f.write(b"x")
     assert stat.S_IMODE(os.stat(tmp_path / "prefill-21000.log").st_mode) == 0o600
+
+
+def test_engines_of_a_node_take_its_free_cores_first(tmp_path):
+    """``--decode-on`` a 2-core node: its two decode engines (ordinals 0 and 1, or 0 and 2
+    round robin) get a core each, whatever their roles and ordinals; a third shares the
+    least taken core, and a core freed is taken again first."""
+    from launch.ray_engine import CoreReservation
+
+    a, b = CoreReservation([0, 1], tmp_path), CoreReservation([0, 1], tmp_path)
+    assert (a.core, b.core) == (0, 1)
+    c = CoreReservation([0, 1], tmp_path)  # more engines than cores: shares one
+    a.release()
+    d = CoreReservation([0, 1], tmp_path)
+    assert (c.core, d.core) == (0, 0)  # core 0: c and d; core 1: b
+    e = CoreReservation([0, 1], tmp_path)
+    assert e.core == 1
+    for r in (b, c, d, e):
+        r.release()
+
+
+def test_a_core_is_held_by_its_engines_process(tmp_path):
+    code = ("from launch.ray_engine import CoreReservation; from pathlib import Path; "
+            f"print(CoreReservation([0, 1], Path({str(tmp_path)!r})).core)")
+    from launch.ray_engine import CoreReservation
+
+    held = CoreReservation([0, 1], tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert (held.core, int(out)) == (0, 1)
+    held.release()
