@@ -286,16 +286,27 @@ def engine_host_class(max_restarts: int = -1):
 
 def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
     """Block until every actor's engine answers /health; raise RuntimeError when one failed to
-    start or time runs out, naming it and its log."""
+    start, its actor is dead for good, or time runs out, naming it and its log or cause.
+
+    An actor whose constructor raised is never restarted by Ray (whatever ``max_restarts``):
+    its death is final at once. Any other death answers a call in flight once while Ray
+    restarts the actor (later calls wait for it); a second in a row means no restart."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
     t0 = time.monotonic()
+    deaths: dict[str, int] = {}
     while True:
         infos = {}
         for name, handle in handles.items():
             try:
                 infos[name] = ray.get(handle.info.remote(), timeout=30)
+                deaths.pop(name, None)
+            except ActorDiedError as exc:
+                deaths[name] = deaths.get(name, 0) + 1
+                if exc.actor_init_failed or deaths[name] > 1:
+                    raise RuntimeError(f"engine actor {name} died: {exc}") from exc
+                log.info("%s died; waiting for Ray to restart it: %s", name, exc)
             except (RayActorError, GetTimeoutError) as exc:  # placing, starting or restarting
                 log.debug("%s not answering yet: %s", name, exc)
         failed = [i["failed"] for i in infos.values() if i["failed"]]

@@ -258,3 +258,64 @@ def test_a_core_is_held_by_its_engines_process(tmp_path):
                          check=True).stdout
     assert (held.core, int(out)) == (0, 1)
     held.release()
+
+
+class _Calls:
+    """A fake actor handle whose ``info`` calls answer from a script (an exception is raised
+    by ``ray.get``, as Ray does)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.calls = 0
+        self.info = self
+
+    def remote(self):
+        self.calls += 1
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def _fake_ray_get(monkeypatch):
+    import ray
+
+    import launch.ray_engine as ray_engine
+
+    def get(answer, timeout=None):
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray_engine.time, "sleep", lambda s: None)
+
+
+READY = {"name": "decode-0", "failed": None, "healthy": True, "log": "/log"}
+
+
+def test_an_actor_whose_constructor_raised_is_reported_at_once(monkeypatch):
+    """Ray never restarts an actor whose constructor raised (a port or log directory refused,
+    the model missing on its node): its error is the answer, not 15 minutes of waiting."""
+    from ray.exceptions import ActorDiedError
+
+    from launch.ray_engine import wait_engines_ready
+
+    _fake_ray_get(monkeypatch)
+    died = ActorDiedError()
+    died._actor_init_failed = True  # what Ray sets when the creation task raised
+    handle = _Calls(died)
+    with pytest.raises(RuntimeError, match="decode-0 died: The actor died"):
+        wait_engines_ready({"decode-0": handle}, timeout_s=1.0)
+    assert handle.calls == 1
+
+
+def test_an_actor_ray_restarts_is_waited_for_and_one_dead_for_good_is_not(monkeypatch):
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from launch.ray_engine import wait_engines_ready
+
+    _fake_ray_get(monkeypatch)
+    restarting = _Calls(ActorDiedError(), ActorUnavailableError("restarting", None), READY)
+    assert wait_engines_ready({"decode-0": restarting}, timeout_s=900) == [READY]
+    with pytest.raises(RuntimeError, match="decode-0 died"):
+        wait_engines_ready({"decode-0": _Calls(ActorDiedError())}, timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="not ready after"):
+        wait_engines_ready({"decode-0": _Calls(ActorUnavailableError("x", None))}, timeout_s=0)
