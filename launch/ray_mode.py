@@ -156,8 +156,30 @@ class RayScaler:
         return names
 
     async def replicas(self, role: str) -> list[str]:
-        return sorted((n for n in self.handles if n.startswith(role + "-")),
-                      key=lambda n: int(n.rsplit("-", 1)[1]))
+        """The role's engines, oldest first; those dead for good (their actor died, or their
+        engine failed before it was ever ready) are stopped first and left out."""
+        names = [n for n in self.handles if n.startswith(role + "-")]
+        alive = await asyncio.gather(*(self._maybe_alive(n) for n in names))
+        dead = [n for n, ok in zip(names, alive, strict=True) if not ok]
+        await self.remove(dead)
+        return sorted((n for n in names if n not in dead), key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    async def _maybe_alive(self, name: str) -> bool:
+        """False when the engine will never serve; True when it does or may (restarting,
+        slow to answer)."""
+        from ray.exceptions import ActorDiedError
+
+        try:
+            info = await asyncio.wait_for(self.handles[name].info.remote(), INFO_TIMEOUT_S)
+        except ActorDiedError as exc:
+            log.warning("%s is dead: %s", name, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - restarting or unreachable: may come back
+            log.debug("no info from %s: %s", name, exc)
+            return True
+        if info["failed"]:
+            log.warning("%s failed: %s", name, info["failed"])
+        return not info["failed"]
 
     async def add(self, role: str, count: int) -> list[str]:
         return self.create(role, count)

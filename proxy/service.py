@@ -30,7 +30,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
-from proxy.scale_down import drain
+from proxy.scale_down import drain, pick_removals
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import probe_routes, reprobe_links, reprobe_sizes, warm_up_engine, warm_up_pairs
 
@@ -159,7 +159,7 @@ class ProxyService:
 
     async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
         """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
-        flight is dropped), newest engines go first."""
+        flight is dropped), engines that are down go first, then the newest."""
         assert self.scaler is not None
         async with self._scale_lock:
             names = await self.scaler.replicas(role)  # type: ignore[arg-type]
@@ -169,12 +169,16 @@ class ProxyService:
             if replicas > len(names):
                 added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
             elif replicas < len(names):
-                removed = names[replicas:]
+                removed = pick_removals(names, replicas, self._is_up)
                 drained = await drain(self.pool, removed, drain_timeout_s)
                 await self.scaler.remove(removed)
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,
                     "drained": drained}
+
+    def _is_up(self, name: str) -> bool:
+        engine = self.pool.get(name)
+        return engine is not None and engine.healthy
 
     # -- routing ----------------------------------------------------------------------------
     def routing(self) -> dict[str, Any]:

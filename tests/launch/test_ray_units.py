@@ -319,3 +319,52 @@ def test_an_actor_ray_restarts_is_waited_for_and_one_dead_for_good_is_not(monkey
         wait_engines_ready({"decode-0": _Calls(ActorDiedError())}, timeout_s=1.0)
     with pytest.raises(RuntimeError, match="not ready after"):
         wait_engines_ready({"decode-0": _Calls(ActorUnavailableError("x", None))}, timeout_s=0)
+
+
+class _Actor:
+    """A fake engine actor: ``info`` answers with ``answer`` (raised when an exception)."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.stopped = False
+        self.info = self._Method(self._info)
+        self.stop = self._Method(self._stop)
+
+    class _Method:
+        def __init__(self, fn):
+            self.remote = fn
+
+    async def _info(self):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    async def _stop(self):
+        self.stopped = True
+
+
+def test_the_scaler_neither_counts_nor_keeps_engines_dead_for_good(monkeypatch):
+    """decode-0 died for good (its actor, or its engine before ever being ready), decode-2
+    is restarting, decode-1 serves: ``pdserve scale decode 1`` must not keep decode-0 and
+    remove the live one, and ``pdserve scale decode 3`` must add one for decode-0."""
+    import asyncio
+
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from launch.ray_mode import RayScaler
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
+    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: None)
+    scaler = RayScaler("pdserve", TEMPLATE, "cpu", -1)
+    up = {"failed": None}
+    for role, answers in (("decode", [ActorDiedError(), up, ActorUnavailableError("r", None)]),
+                          ("prefill", [{"failed": "engine exited with 1"}, up])):
+        for i, answer in enumerate(answers):
+            scaler.handles[f"{role}-{i}"] = _Actor(answer)
+    dead = [scaler.handles["decode-0"], scaler.handles["prefill-0"]]
+    assert asyncio.run(scaler.replicas("decode")) == ["decode-1", "decode-2"]
+    assert asyncio.run(scaler.replicas("prefill")) == ["prefill-1"]
+    assert killed == dead and all(a.stopped for a in dead)
+    assert sorted(scaler.handles) == ["decode-1", "decode-2", "prefill-1"]
