@@ -116,11 +116,13 @@ def unplaceable(placement: Mapping[str, tuple[str, ...]], cluster_resources: Map
             for resource in resources if cluster_resources.get(resource, 0.0) < PLACEMENT_SHARE]
 
 
-def placement_resource(placement: Mapping[str, tuple[str, ...]], role: str, ordinal: int
-                       ) -> str | None:
-    """The resource engine ``ordinal`` of ``role`` asks for: the role's list, round robin."""
+def placement_resource(placement: Mapping[str, tuple[str, ...]], role: str,
+                       taken: Sequence[str | None]) -> str | None:
+    """The resource a new engine of ``role`` asks for: of the role's list, the one its live
+    engines (``taken``: the resource each asked for) use least, the first on a tie; so round
+    robin from the start, and after a scale-down the nodes left short are filled first."""
     resources = placement.get(role, ())
-    return resources[ordinal % len(resources)] if resources else None
+    return min(resources, key=lambda r: (taken.count(r), resources.index(r)), default=None)
 
 
 def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> str:
@@ -140,18 +142,21 @@ class RayScaler:
         self._placement = dict(placement or {})
         self._cls = engine_host_class(max_restarts)
         self.handles: dict[str, Any] = {}
+        self._resource: dict[str, str | None] = {}  # the placement resource each asked for
         self._next = {"prefill": 0, "decode": 0}
 
     def create(self, role: str, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            ordinal = self._next[role]
+            name = f"{role}-{self._next[role]}"
             self._next[role] += 1
-            name = f"{role}-{ordinal}"
+            resource = placement_resource(self._placement, role, [
+                self._resource.get(n) for n in self.handles if n.startswith(role + "-")])
             self.handles[name] = self._cls.options(
-                name=name, namespace=self._namespace, **actor_resources(
-                    self._accelerator, placement_resource(self._placement, role, ordinal))
+                name=name, namespace=self._namespace,
+                **actor_resources(self._accelerator, resource)
             ).remote(name, role, self._template)
+            self._resource[name] = resource
             names.append(name)
         return names
 
@@ -191,6 +196,7 @@ class RayScaler:
         import ray
 
         handle = self.handles.pop(name, None)
+        self._resource.pop(name, None)
         if handle is None:
             return
         try:

@@ -103,9 +103,39 @@ def test_a_roles_engines_take_its_resources_round_robin():
     """``--decode-on a,b``: decode-0 on a node offering a, decode-1 on one offering b, decode-2
     on a again (one decode engine per node, say)."""
     placement = {"decode": ("pd_a", "pd_b")}
-    assert [placement_resource(placement, "decode", i) for i in range(3)] == [
-        "pd_a", "pd_b", "pd_a"]
-    assert placement_resource(placement, "prefill", 0) is None
+    taken: list[str | None] = []
+    for _ in range(3):
+        taken.append(placement_resource(placement, "decode", taken))
+    assert taken == ["pd_a", "pd_b", "pd_a"]
+    assert placement_resource(placement, "prefill", []) is None
+    # decode-1 (pd_b) scaled away: the next one goes to pd_b, not to pd_a again.
+    assert placement_resource(placement, "decode", ["pd_a", "pd_a"]) == "pd_b"
+
+
+def test_scale_down_then_up_keeps_one_engine_per_node(monkeypatch):
+    """``--decode-on pd_a,pd_b``, 2 decode engines; ``scale decode 1`` removes decode-1
+    (pd_b), ``scale decode 2`` makes decode-2: on pd_b, where decode-1 was, not pd_a."""
+    import asyncio
+
+    import ray
+
+    from launch.ray_mode import RayScaler
+
+    asked: dict[str, dict] = {}
+
+    class Cls:
+        def options(self, name, namespace, **resources):
+            asked[name] = resources.get("resources", {})
+            return type("Remote", (), {"remote": lambda _, *a: _Actor({"failed": None})})()
+
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: None)
+    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: Cls())
+    scaler = RayScaler("pdserve", TEMPLATE, "cpu", -1, {"decode": ("pd_a", "pd_b")})
+    scaler.create("decode", 2)
+    asyncio.run(scaler.remove(["decode-1"]))
+    scaler.create("decode", 1)
+    assert {n: list(asked[n]) for n in scaler.handles} == {
+        "decode-0": ["pd_a"], "decode-2": ["pd_b"]}
 
 
 def test_the_cli_takes_a_resource_per_role():
