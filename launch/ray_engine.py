@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.engines import EngineSpec, default_dtype, detect_device, private_socket_dir
+from launch.engines import (
+    EngineSpec,
+    default_dtype,
+    detect_device,
+    is_loopback,
+    private_socket_dir,
+)
 from launch.isolation import guard
 from launch.models import model_config
 from launch.processes import EngineProcess, start_engine, stop_engines
@@ -98,7 +104,10 @@ class PortReservation:
             fd = hold_lock(lock_dir / f"{port}.lock")
             if fd is None:
                 continue
-            if not _bindable(host, port):
+            # A node address's engine publishes KV events on tcp://*:port (every interface):
+            # a port held on any of them would fail it, so every port is checked there too.
+            if not _bindable(host, port) or not (is_loopback(host)
+                                                 or _bindable("0.0.0.0", port)):
                 os.close(fd)
                 continue
             self._fds.append(fd)

@@ -398,3 +398,22 @@ def test_the_scaler_neither_counts_nor_keeps_engines_dead_for_good(monkeypatch):
     assert asyncio.run(scaler.replicas("prefill")) == ["prefill-1"]
     assert killed == dead and all(a.stopped for a in dead)
     assert sorted(scaler.handles) == ["decode-1", "decode-2", "prefill-1"]
+
+
+def test_a_port_held_on_another_interface_is_not_reserved_for_a_node_address(tmp_path):
+    """A node-address engine's KV-event publisher binds ``tcp://*:port``: a port listened on
+    loopback only is free on the node address, yet that bind fails (the engine would die at
+    start-up), so it is skipped."""
+    node_ip = next((a for a in subprocess.run(["hostname", "-I"], capture_output=True,
+                                                text=True).stdout.split()
+                    if ":" not in a and not a.startswith("127.")), None)
+    if node_ip is None:
+        pytest.skip("no non-loopback IPv4 address")
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    r = PortReservation(node_ip, 1, (port, port + 20), tmp_path)
+    assert r.ports and port not in r.ports
+    r.release()
+    held.close()
