@@ -315,6 +315,20 @@ def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: f
     threading.Thread(target=watch, name="ray-watchdog", daemon=True).start()
 
 
+def ray_init_kwargs(opts: RayOptions, environ: Mapping[str, str]) -> dict[str, Any]:
+    """``ray.init``'s arguments. Without ``--address`` a cluster of our own on this machine
+    ("local"): ``None`` would join whatever RAY_ADDRESS or the last ``ray start`` here names."""
+    local = opts.address is None
+    return dict(
+        address="local" if local else opts.address, namespace=opts.namespace,
+        include_dashboard=False, num_cpus=opts.local_num_cpus if local else None,
+        # One node, this machine: it offers every placement resource named.
+        resources={r: LOCAL_PLACEMENT for rs in opts.placement.values() for r in rs}
+        if local else None,
+        log_to_driver=False, configure_logging=False,
+        runtime_env=otel_runtime_env(environ, opts.template.engines))
+
+
 def run_ray(opts: RayOptions) -> int:
     """Run Ray mode until interrupted; return the process exit code."""
     import ray
@@ -326,14 +340,7 @@ def run_ray(opts: RayOptions) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"connecting to Ray ({opts.address or 'starting a local cluster'}) ...",
           file=sys.stderr, flush=True)
-    local = opts.address is None
-    ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
-             num_cpus=opts.local_num_cpus if local else None,
-             # One node, this machine: it offers every placement resource named.
-             resources={r: LOCAL_PLACEMENT for rs in opts.placement.values() for r in rs}
-             if local else None,
-             log_to_driver=False, configure_logging=False,
-             runtime_env=otel_runtime_env(os.environ, opts.template.engines))
+    ray.init(**ray_init_kwargs(opts, os.environ))
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())

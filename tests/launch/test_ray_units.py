@@ -417,3 +417,15 @@ def test_a_port_held_on_another_interface_is_not_reserved_for_a_node_address(tmp
     assert r.ports and port not in r.ports
     r.release()
     held.close()
+
+
+def test_without_an_address_ray_mode_starts_a_cluster_of_its_own():
+    """``pdserve ray`` without ``--address`` starts a local cluster: address None would join
+    the one RAY_ADDRESS or an earlier ``ray start`` on this machine names (and Ray refuses
+    the local cluster's resources there)."""
+    from launch.ray_mode import RayOptions, ray_init_kwargs
+
+    local = ray_init_kwargs(RayOptions(TEMPLATE, "/m", placement={"decode": ("pd_d",)}), {})
+    assert local["address"] == "local" and local["resources"] == {"pd_d": 100.0}
+    joined = ray_init_kwargs(RayOptions(TEMPLATE, "/m", address="auto"), {})
+    assert joined["address"] == "auto" and joined["resources"] is None
