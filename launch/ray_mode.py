@@ -283,6 +283,13 @@ def _progress(elapsed: float, pending: list[str]) -> None:
         print(f"engines ready after {elapsed:.0f}s", file=sys.stderr, flush=True)
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); an IPv6 host comes bracketed (``[::1]:6379``, as Ray
+    writes it) and is returned bare, as sockets take it."""
+    host, _, port = address.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: float = 2.0,
                           misses: int = 3, grace_s: float = 10.0) -> None:
     """Watch the cluster's GCS port; when it stops answering (``ray down``, ``ray stop``, head
@@ -291,14 +298,14 @@ def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: f
     (the engine directory's, in a worker thread the event loop waits for at exit; Ray's own
     core worker aborts the process only after 60 s): the process then exits at once. Its
     engines went with the cluster's workers (each dies with its actor)."""
-    host, port = gcs_address.rsplit(":", 1)
+    host, port = split_address(gcs_address)
 
     def watch() -> None:
         missed = 0
         while True:
             time.sleep(interval_s)
             try:
-                socket.create_connection((host, int(port)), timeout=2).close()
+                socket.create_connection((host, port), timeout=2).close()
                 missed = 0
             except OSError:
                 missed += 1

@@ -429,3 +429,13 @@ def test_without_an_address_ray_mode_starts_a_cluster_of_its_own():
     assert local["address"] == "local" and local["resources"] == {"pd_d": 100.0}
     joined = ray_init_kwargs(RayOptions(TEMPLATE, "/m", address="auto"), {})
     assert joined["address"] == "auto" and joined["resources"] is None
+
+
+def test_the_cluster_watchdog_reads_ipv6_gcs_addresses():
+    """Ray writes an IPv6 GCS address bracketed; connecting to host ``[::1]`` failed every
+    time and the watchdog stopped a healthy deployment."""
+    from launch.ray_mode import split_address
+
+    assert split_address("[::1]:6379") == ("::1", 6379)
+    assert split_address("[fd00::7]:6379") == ("fd00::7", 6379)
+    assert split_address("10.0.0.2:6379") == ("10.0.0.2", 6379)
