@@ -164,7 +164,8 @@ def _run_scale(args: argparse.Namespace) -> int:
     req = urllib.request.Request(
         args.proxy.rstrip("/") + "/pd/admin/scale", method="POST",
         data=json.dumps({"role": args.role, "replicas": args.replicas, **(
-            {"drain_timeout_s": args.drain_timeout_s} if args.drain_timeout_s else {})}).encode(),
+            {"drain_timeout_s": args.drain_timeout_s} if args.drain_timeout_s is not None
+            else {})}).encode(),  # 0 is sent as asked: the proxy answers it (400), not drops it
         headers={"Content-Type": "application/json",
                  **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
     try:

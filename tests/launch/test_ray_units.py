@@ -439,3 +439,37 @@ def test_the_cluster_watchdog_reads_ipv6_gcs_addresses():
     assert split_address("[::1]:6379") == ("::1", 6379)
     assert split_address("[fd00::7]:6379") == ("fd00::7", 6379)
     assert split_address("10.0.0.2:6379") == ("10.0.0.2", 6379)
+
+
+@pytest.mark.parametrize(("argv", "sent"), [
+    ([], {"role": "decode", "replicas": 1}),
+    (["--drain-timeout-s", "0"], {"role": "decode", "replicas": 1, "drain_timeout_s": 0.0}),
+    (["--drain-timeout-s", "5"], {"role": "decode", "replicas": 1, "drain_timeout_s": 5.0}),
+])
+def test_pdserve_scale_sends_the_drain_timeout_asked_for(monkeypatch, argv, sent):
+    """``--drain-timeout-s 0`` was dropped, and the proxy drained for its default (600 s)
+    instead of answering the 0 asked for."""
+    import json
+    import urllib.request
+
+    from launch import cli
+
+    bodies = []
+
+    class Reply:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return b"{}"
+
+    def urlopen(req, timeout=None):
+        bodies.append(json.loads(req.data))
+        return Reply()
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    assert cli.main(["scale", "decode", "1", *argv]) == 0
+    assert bodies == [sent]
