@@ -60,8 +60,9 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{role}-on", metavar="RESOURCE[,RESOURCE...]", default=None, help=(
             f"{role} engines only on the nodes that offer this Ray custom resource (give it "
             f"per node: ray start --resources='{{\"RESOURCE\": 100}}', e.g. in the cluster "
-            f"file's start commands); a list: {role}-N on the Nth, round robin (one {role} "
-            "engine per node, say); a local cluster offers them all"))
+            f"file's start commands); a list: round robin, each new {role} engine on the "
+            f"one its role's engines use least (one {role} engine per node, say); a local "
+            "cluster offers them all"))
     p.add_argument("--num-cpus", type=int, default=RayOptions.local_num_cpus,
                    help="logical CPUs of a local cluster (default: Ray's count)")
     p.add_argument("--namespace", default=RayOptions.namespace,

@@ -82,8 +82,9 @@ class RayOptions:
     namespace: str = "pdserve"
     local_num_cpus: int | None = None
     accelerator: str = "auto"  # auto | cpu | gpu
-    #: Role -> Ray custom resources: that role's engines only on nodes that offer them, engine N
-    #: on the Nth (round robin: ``decode-0`` on one node's, ``decode-1`` on another's).
+    #: Role -> Ray custom resources: that role's engines only on nodes that offer them, round
+    #: robin (``decode-0`` on one node's, ``decode-1`` on another's; a new engine on the one
+    #: its role uses least).
     placement: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     max_restarts: int = -1
     start_timeout_s: float = 900.0
