@@ -200,7 +200,13 @@ def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
     """KV bytes per token (KV cache dtype = the engine's) from the model's config on this
     node: a directory's, or a hub id's once its engine downloaded it; None until then."""
     config = model_config(model)
-    return None if config is None else kv_bytes_per_token_for_model(config.parent, dtype)
+    if config is None:
+        return None
+    try:
+        return kv_bytes_per_token_for_model(config.parent, dtype)
+    except (KeyError, TypeError, ValueError) as exc:  # a shape it does not know
+        log.warning("no KV size from %s: %r", config, exc)
+        return None
 
 
 class EngineHost:

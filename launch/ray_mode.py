@@ -65,8 +65,9 @@ def deployment_kv_bytes_per_token(infos: list[dict[str, Any]], policy: str, mode
     kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
     if kvb is None and parse_policy(policy).kind == "auto":
         raise RuntimeError(
-            f"policy 'auto' needs the KV size of {model}, and no engine found its config.json "
-            "(neither a model directory nor a hub id in the Hugging Face cache of its node): "
+            f"policy 'auto' needs the KV size of {model}, and no engine could read it from "
+            "its config.json (a model directory's, or a hub id's in its node's Hugging Face "
+            "cache): "
             "give a model directory present on every node, or a fixed --policy "
             "(disaggregate, local, threshold:N)")
     return kvb
