@@ -48,8 +48,8 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=RayOptions.address,
                    help="Ray cluster to join ('auto' on a ray-up head); default: start a local one")
     p.add_argument("--model", default="smollm2",
-                   help="'smollm2' / 'tiny' (built on every node) or a model directory present "
-                        "on every node")
+                   help="'smollm2' / 'tiny' (built on every node), a model directory present "
+                        "on every node, or a hub id (each engine's node downloads it)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--prefill", type=int, default=RayOptions.prefill, help="prefill engines")
     p.add_argument("--decode", type=int, default=RayOptions.decode, help="decode engines")
@@ -60,8 +60,9 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{role}-on", metavar="RESOURCE[,RESOURCE...]", default=None, help=(
             f"{role} engines only on the nodes that offer this Ray custom resource (give it "
             f"per node: ray start --resources='{{\"RESOURCE\": 100}}', e.g. in the cluster "
-            f"file's start commands); a list: {role}-N on the Nth, round robin (one {role} "
-            "engine per node, say); a local cluster offers them all"))
+            f"file's start commands); a list: round robin, each new {role} engine on the "
+            f"one its role's engines use least (one {role} engine per node, say); a local "
+            "cluster offers them all"))
     p.add_argument("--num-cpus", type=int, default=RayOptions.local_num_cpus,
                    help="logical CPUs of a local cluster (default: Ray's count)")
     p.add_argument("--namespace", default=RayOptions.namespace,
@@ -69,7 +70,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=RayOptions.max_restarts,
                    help="restarts of a dead engine's actor (-1: always)")
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
-                   help="engine logs, on each engine's node")
+                   help="engine logs, on each engine's node (default: /tmp/pdserve-<uid>/logs)")
     p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
     _add_observability(p)
     _add_settings(p)
@@ -164,7 +165,8 @@ def _run_scale(args: argparse.Namespace) -> int:
     req = urllib.request.Request(
         args.proxy.rstrip("/") + "/pd/admin/scale", method="POST",
         data=json.dumps({"role": args.role, "replicas": args.replicas, **(
-            {"drain_timeout_s": args.drain_timeout_s} if args.drain_timeout_s else {})}).encode(),
+            {"drain_timeout_s": args.drain_timeout_s} if args.drain_timeout_s is not None
+            else {})}).encode(),  # 0 is sent as asked: the proxy answers it (400), not drops it
         headers={"Content-Type": "application/json",
                  **({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})})
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from launch import reaper
 from launch.engines import EngineSpec, engine_argv, engine_env
@@ -155,6 +155,13 @@ def launch_argv(spec: EngineSpec, die_with_parent: bool) -> list[str]:
     return [sys.executable, "-m", reaper.__name__, "--", *argv] if die_with_parent else argv
 
 
+def open_log(path: Path, append: bool) -> BinaryIO:
+    """An engine's log for writing: never through a link planted at ``path`` (OSError), and
+    readable by this user only (it holds prompts)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o600), "ab" if append else "wb")
+
+
 def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = True,
                  append_log: bool = False, own_session: bool = False) -> EngineProcess:
     """Start one engine, its log in ``log_dir``. ``die_with_parent``: under the reaper, which
@@ -164,7 +171,7 @@ def start_engine(spec: EngineSpec, log_dir: Path, die_with_parent: bool = True,
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = parse_cores(spec.cpu_cores) if spec.cpu_cores else None
     log_path = log_dir / f"{spec.role}-{spec.port}.log"
-    log_file = open(log_path, "ab" if append_log else "wb")
+    log_file = open_log(log_path, append_log)
     if append_log:
         log_file.write(f"\n{RESTART_BANNER}{spec.role} engine restarted at "
                        f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode())

@@ -20,12 +20,20 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.engines import EngineSpec, default_dtype, detect_device, private_socket_dir
+from launch.engines import (
+    EngineSpec,
+    default_dtype,
+    detect_device,
+    is_loopback,
+    private_socket_dir,
+)
 from launch.isolation import guard
+from launch.models import model_config
 from launch.processes import EngineProcess, start_engine, stop_engines
 from launch.settings import EngineSettings
 from transport.kv_size import kv_bytes_per_token_for_model
@@ -33,17 +41,19 @@ from transport.kv_size import kv_bytes_per_token_for_model
 log = logging.getLogger(__name__)
 
 PORT_RANGE = (21000, 29000)
-LOCK_DIR = Path("/tmp/pdserve-ports")
 
 
 @dataclass(frozen=True)
 class EngineTemplate:
     """What every engine of a deployment shares; the actor adds role, place and ports."""
 
-    model: str  # a built-in name ("tiny", "smollm2", built on each node) or a path on every node
+    #: A built-in name ("tiny", "smollm2", built on each node), a path on every node, or a hub
+    #: id (vLLM downloads it on each node).
+    model: str
     served_model_name: str
     gpu_memory_utilization: float = 0.85  # one GPU per engine in Ray mode
-    log_dir: str = "/tmp/pdserve-ray-logs"
+    #: Engine logs on each engine's node; None: ``/tmp/pdserve-<uid>/logs`` (private).
+    log_dir: str | None = None
     engines: EngineSettings = field(default_factory=EngineSettings)
     #: The address every engine binds: None = its node's cluster address; a local cluster
     #: (one machine) uses loopback.
@@ -55,37 +65,87 @@ class EngineTemplate:
         return asdict(self)
 
 
+def node_lock_dir(name: str) -> Path:
+    """``/tmp/pdserve-<uid>/<name>``: lock files only this user's processes on the node can
+    make or plant links in (a shared ``/tmp`` directory let another user point a lock file at
+    the engine user's files)."""
+    path = private_socket_dir() / name
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def hold_lock(path: Path) -> int | None:
+    """An exclusive lock on ``path`` (a file descriptor, held until closed or this process
+    ends); None when another process holds it or ``path`` is a link (never followed)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class PortReservation:
     """Ports held for this process's lifetime via per-port lock files on the node, so engine
     actors sharing a node never pick the same port (the locks vanish with the process)."""
 
     def __init__(self, host: str, count: int, port_range: tuple[int, int] = PORT_RANGE,
-                 lock_dir: Path = LOCK_DIR):
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        self._files = []
+                 lock_dir: Path | None = None):
+        lock_dir = lock_dir or node_lock_dir("ports")
+        self._fds: list[int] = []
         self.ports: list[int] = []
         for port in range(*port_range):
             if len(self.ports) == count:
                 break
-            f = open(lock_dir / f"{port}.lock", "w")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                f.close()
+            fd = hold_lock(lock_dir / f"{port}.lock")
+            if fd is None:
                 continue
-            if not _bindable(host, port):
-                f.close()
+            # A node address's engine publishes KV events on tcp://*:port (every interface):
+            # a port held on any of them would fail it, so every port is checked there too.
+            if not _bindable(host, port) or not (is_loopback(host)
+                                                 or _bindable("0.0.0.0", port)):
+                os.close(fd)
                 continue
-            self._files.append(f)
+            self._fds.append(fd)
             self.ports.append(port)
         if len(self.ports) < count:
             self.release()
             raise RuntimeError(f"no {count} free ports in {port_range} on {host}")
 
     def release(self) -> None:
-        for f in self._files:
-            f.close()
-        self._files.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+class CoreReservation:
+    """The CPU core an engine computes on, held for this process's lifetime by a lock file
+    per (core, slot) on the node: the lowest free core first, so a node's engines spread over
+    its cores whatever their roles, ordinals or placement; a core takes a second engine only
+    once every core has one (slot 1 of every core before slot 2 of any). Ray's placement
+    cannot do this: it counts logical CPUs and does not pin."""
+
+    MAX_SLOTS = 64
+
+    def __init__(self, cores: Sequence[int] | None = None, lock_dir: Path | None = None):
+        cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        lock_dir = lock_dir or node_lock_dir("cores")
+        for slot in range(self.MAX_SLOTS):
+            for core in cores:
+                fd = hold_lock(lock_dir / f"{core}.{slot}.lock")
+                if fd is not None:
+                    self.core, self._fd = core, fd
+                    return
+        raise RuntimeError(f"no core to lock in {lock_dir}")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -108,11 +168,11 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
-def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node_ip: str,
-                         ports: list[int], model_path: str) -> EngineSpec:
-    """Pure: this engine's spec on this node (ports = [http, NIXL side channel, KV events])."""
+def engine_spec_for_node(template: EngineTemplate, role: str, node_ip: str, ports: list[int],
+                         model_path: str, cpu_core: int | None = None) -> EngineSpec:
+    """Pure: this engine's spec on this node (ports = [http, NIXL side channel, KV events];
+    ``cpu_core``: the core it computes on, on a CPU node)."""
     device = detect_device()
-    cores = os.cpu_count() or 1
     return EngineSpec(
         role=role,  # type: ignore[arg-type]
         model=model_path,
@@ -122,9 +182,8 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
         kv_events_port=ports[2],
         host=node_ip,
         device=device,
-        # CPU: spread engines over the node's cores by ordinal (prefill-0 and decode-0 land on
-        # different cores). GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
-        cpu_cores=str((ordinal * 2 + (role == "decode")) % cores) if device == "cpu" else None,
+        # GPU: Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU.
+        cpu_cores=str(cpu_core) if device == "cpu" and cpu_core is not None else None,
         kv_cache_gib=template.engines.kv_cache_gib,
         gpu_memory_utilization=template.gpu_memory_utilization,
         dtype=default_dtype(device, template.engines.dtype),
@@ -137,10 +196,23 @@ def engine_spec_for_node(template: EngineTemplate, role: str, ordinal: int, node
     )
 
 
+def model_kv_bytes_per_token(model: str, dtype: str) -> int | None:
+    """KV bytes per token (KV cache dtype = the engine's) from the model's config on this
+    node: a directory's, or a hub id's once its engine downloaded it; None until then."""
+    config = model_config(model)
+    if config is None:
+        return None
+    try:
+        return kv_bytes_per_token_for_model(config.parent, dtype)
+    except (KeyError, TypeError, ValueError) as exc:  # a shape it does not know
+        log.warning("no KV size from %s: %r", config, exc)
+        return None
+
+
 class EngineHost:
     """The actor body (wrapped by :func:`engine_host_class`). One engine per actor."""
 
-    def __init__(self, name: str, role: str, ordinal: int, template: dict[str, Any]):
+    def __init__(self, name: str, role: str, template: dict[str, Any]):
         import ray
 
         from launch.models import ensure_model, same_on_every_node
@@ -156,11 +228,13 @@ class EngineHost:
         self.node_id = ray.get_runtime_context().get_node_id()
         host = t.bind_host or self.node_ip
         self._ports = PortReservation(host, 3)
-        self.spec = engine_spec_for_node(t, role, ordinal, host, self._ports.ports,
-                                         model_path)
-        self.kv_bytes_per_token = (kv_bytes_per_token_for_model(model_path, self.spec.dtype)
-                                   if os.path.isdir(model_path) else None)
-        self.proc: EngineProcess = start_engine(self.spec, Path(t.log_dir) / name,
+        self._core = CoreReservation() if detect_device() == "cpu" else None
+        self.spec = engine_spec_for_node(t, role, host, self._ports.ports, model_path,
+                                         self._core.core if self._core else None)
+        self._model_path = model_path
+        self.kv_bytes_per_token = model_kv_bytes_per_token(model_path, self.spec.dtype)
+        log_dir = Path(t.log_dir) if t.log_dir else private_socket_dir() / "logs"
+        self.proc: EngineProcess = start_engine(self.spec, log_dir / name,
                                                 die_with_parent=True, own_session=True)
         self._stopping = threading.Event()
         self.failed: str | None = None
@@ -194,6 +268,10 @@ class EngineHost:
             os._exit(1)
 
     def info(self) -> dict[str, Any]:
+        healthy = self.failed is None and self.proc.healthy()
+        if healthy and self.kv_bytes_per_token is None:  # a hub id: vLLM has it locally now
+            self.kv_bytes_per_token = model_kv_bytes_per_token(self._model_path,
+                                                               self.spec.dtype)
         return {
             "name": self.name, "role": self.role, "url": self.spec.url,
             "kv_events": self.spec.kv_events_endpoint, "pid": self.proc.popen.pid,
@@ -202,7 +280,7 @@ class EngineHost:
             "cpu_cores": self.spec.cpu_cores,
             "kv_bytes_per_token": self.kv_bytes_per_token, "log": str(self.proc.log_path),
             "restarted": self.restarted, "failed": self.failed,
-            "healthy": self.failed is None and self.proc.healthy(),
+            "healthy": healthy,
         }
 
     def stop(self) -> None:
@@ -210,6 +288,8 @@ class EngineHost:
         self._stopping.set()
         stop_engines([self.proc])
         self._ports.release()
+        if self._core is not None:
+            self._core.release()
 
 
 def engine_host_class(max_restarts: int = -1):
@@ -221,16 +301,27 @@ def engine_host_class(max_restarts: int = -1):
 
 def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
     """Block until every actor's engine answers /health; raise RuntimeError when one failed to
-    start or time runs out, naming it and its log."""
+    start, its actor is dead for good, or time runs out, naming it and its log or cause.
+
+    An actor whose constructor raised is never restarted by Ray (whatever ``max_restarts``):
+    its death is final at once. Any other death answers a call in flight once while Ray
+    restarts the actor (later calls wait for it); a second in a row means no restart."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
     t0 = time.monotonic()
+    deaths: dict[str, int] = {}
     while True:
         infos = {}
         for name, handle in handles.items():
             try:
                 infos[name] = ray.get(handle.info.remote(), timeout=30)
+                deaths.pop(name, None)
+            except ActorDiedError as exc:
+                deaths[name] = deaths.get(name, 0) + 1
+                if exc.actor_init_failed or deaths[name] > 1:
+                    raise RuntimeError(f"engine actor {name} died: {exc}") from exc
+                log.info("%s died; waiting for Ray to restart it: %s", name, exc)
             except (RayActorError, GetTimeoutError) as exc:  # placing, starting or restarting
                 log.debug("%s not answering yet: %s", name, exc)
         failed = [i["failed"] for i in infos.values() if i["failed"]]

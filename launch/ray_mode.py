@@ -35,6 +35,7 @@ from launch.processes import reporting_shutdown
 from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
 from launch.settings import EngineSettings, ProxySettings
 from launch.shutdown import run_server
+from proxy.policy_mode import parse_policy
 from proxy.pool import EndpointInfo
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,22 @@ def report_core_sharing(infos: list[dict[str, Any]]) -> None:
                   "(more engines than cores)", file=sys.stderr, flush=True)
 
 
+def deployment_kv_bytes_per_token(infos: list[dict[str, Any]], policy: str, model: str
+                                  ) -> int | None:
+    """The KV bytes per token the ready engines found in the model's config (a hub id's is in
+    the Hugging Face cache of each engine's node once it loaded it). None when none found
+    one; RuntimeError then if the policy needs it, saying what to do instead."""
+    kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
+    if kvb is None and parse_policy(policy).kind == "auto":
+        raise RuntimeError(
+            f"policy 'auto' needs the KV size of {model}, and no engine could read it from "
+            "its config.json (a model directory's, or a hub id's in its node's Hugging Face "
+            "cache): "
+            "give a model directory present on every node, or a fixed --policy "
+            "(disaggregate, local, threshold:N)")
+    return kvb
+
+
 @dataclass(frozen=True)
 class RayOptions:
     template: EngineTemplate
@@ -66,8 +83,9 @@ class RayOptions:
     namespace: str = "pdserve"
     local_num_cpus: int | None = None
     accelerator: str = "auto"  # auto | cpu | gpu
-    #: Role -> Ray custom resources: that role's engines only on nodes that offer them, engine N
-    #: on the Nth (round robin: ``decode-0`` on one node's, ``decode-1`` on another's).
+    #: Role -> Ray custom resources: that role's engines only on nodes that offer them, round
+    #: robin (``decode-0`` on one node's, ``decode-1`` on another's; a new engine on the one
+    #: its role uses least).
     placement: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     max_restarts: int = -1
     start_timeout_s: float = 900.0
@@ -100,11 +118,13 @@ def unplaceable(placement: Mapping[str, tuple[str, ...]], cluster_resources: Map
             for resource in resources if cluster_resources.get(resource, 0.0) < PLACEMENT_SHARE]
 
 
-def placement_resource(placement: Mapping[str, tuple[str, ...]], role: str, ordinal: int
-                       ) -> str | None:
-    """The resource engine ``ordinal`` of ``role`` asks for: the role's list, round robin."""
+def placement_resource(placement: Mapping[str, tuple[str, ...]], role: str,
+                       taken: Sequence[str | None]) -> str | None:
+    """The resource a new engine of ``role`` asks for: of the role's list, the one its live
+    engines (``taken``: the resource each asked for) use least, the first on a tie; so round
+    robin from the start, and after a scale-down the nodes left short are filled first."""
     resources = placement.get(role, ())
-    return resources[ordinal % len(resources)] if resources else None
+    return min(resources, key=lambda r: (taken.count(r), resources.index(r)), default=None)
 
 
 def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> str:
@@ -124,24 +144,49 @@ class RayScaler:
         self._placement = dict(placement or {})
         self._cls = engine_host_class(max_restarts)
         self.handles: dict[str, Any] = {}
+        self._resource: dict[str, str | None] = {}  # the placement resource each asked for
         self._next = {"prefill": 0, "decode": 0}
 
     def create(self, role: str, count: int) -> list[str]:
         names = []
         for _ in range(count):
-            ordinal = self._next[role]
+            name = f"{role}-{self._next[role]}"
             self._next[role] += 1
-            name = f"{role}-{ordinal}"
+            resource = placement_resource(self._placement, role, [
+                self._resource.get(n) for n in self.handles if n.startswith(role + "-")])
             self.handles[name] = self._cls.options(
-                name=name, namespace=self._namespace, **actor_resources(
-                    self._accelerator, placement_resource(self._placement, role, ordinal))
-            ).remote(name, role, ordinal, self._template)
+                name=name, namespace=self._namespace,
+                **actor_resources(self._accelerator, resource)
+            ).remote(name, role, self._template)
+            self._resource[name] = resource
             names.append(name)
         return names
 
     async def replicas(self, role: str) -> list[str]:
-        return sorted((n for n in self.handles if n.startswith(role + "-")),
-                      key=lambda n: int(n.rsplit("-", 1)[1]))
+        """The role's engines, oldest first; those dead for good (their actor died, or their
+        engine failed before it was ever ready) are stopped first and left out."""
+        names = [n for n in self.handles if n.startswith(role + "-")]
+        alive = await asyncio.gather(*(self._maybe_alive(n) for n in names))
+        dead = [n for n, ok in zip(names, alive, strict=True) if not ok]
+        await self.remove(dead)
+        return sorted((n for n in names if n not in dead), key=lambda n: int(n.rsplit("-", 1)[1]))
+
+    async def _maybe_alive(self, name: str) -> bool:
+        """False when the engine will never serve; True when it does or may (restarting,
+        slow to answer)."""
+        from ray.exceptions import ActorDiedError
+
+        try:
+            info = await asyncio.wait_for(self.handles[name].info.remote(), INFO_TIMEOUT_S)
+        except ActorDiedError as exc:
+            log.warning("%s is dead: %s", name, exc)
+            return False
+        except Exception as exc:  # noqa: BLE001 - restarting or unreachable: may come back
+            log.debug("no info from %s: %s", name, exc)
+            return True
+        if info["failed"]:
+            log.warning("%s failed: %s", name, info["failed"])
+        return not info["failed"]
 
     async def add(self, role: str, count: int) -> list[str]:
         return self.create(role, count)
@@ -153,6 +198,7 @@ class RayScaler:
         import ray
 
         handle = self.handles.pop(name, None)
+        self._resource.pop(name, None)
         if handle is None:
             return
         try:
@@ -239,6 +285,13 @@ def _progress(elapsed: float, pending: list[str]) -> None:
         print(f"engines ready after {elapsed:.0f}s", file=sys.stderr, flush=True)
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port); an IPv6 host comes bracketed (``[::1]:6379``, as Ray
+    writes it) and is returned bare, as sockets take it."""
+    host, _, port = address.rpartition(":")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
 def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: float = 2.0,
                           misses: int = 3, grace_s: float = 10.0) -> None:
     """Watch the cluster's GCS port; when it stops answering (``ray down``, ``ray stop``, head
@@ -247,14 +300,14 @@ def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: f
     (the engine directory's, in a worker thread the event loop waits for at exit; Ray's own
     core worker aborts the process only after 60 s): the process then exits at once. Its
     engines went with the cluster's workers (each dies with its actor)."""
-    host, port = gcs_address.rsplit(":", 1)
+    host, port = split_address(gcs_address)
 
     def watch() -> None:
         missed = 0
         while True:
             time.sleep(interval_s)
             try:
-                socket.create_connection((host, int(port)), timeout=2).close()
+                socket.create_connection((host, port), timeout=2).close()
                 missed = 0
             except OSError:
                 missed += 1
@@ -271,6 +324,20 @@ def exit_when_ray_is_gone(gcs_address: str, gone: threading.Event, interval_s: f
     threading.Thread(target=watch, name="ray-watchdog", daemon=True).start()
 
 
+def ray_init_kwargs(opts: RayOptions, environ: Mapping[str, str]) -> dict[str, Any]:
+    """``ray.init``'s arguments. Without ``--address`` a cluster of our own on this machine
+    ("local"): ``None`` would join whatever RAY_ADDRESS or the last ``ray start`` here names."""
+    local = opts.address is None
+    return dict(
+        address="local" if local else opts.address, namespace=opts.namespace,
+        include_dashboard=False, num_cpus=opts.local_num_cpus if local else None,
+        # One node, this machine: it offers every placement resource named.
+        resources={r: LOCAL_PLACEMENT for rs in opts.placement.values() for r in rs}
+        if local else None,
+        log_to_driver=False, configure_logging=False,
+        runtime_env=otel_runtime_env(environ, opts.template.engines))
+
+
 def run_ray(opts: RayOptions) -> int:
     """Run Ray mode until interrupted; return the process exit code."""
     import ray
@@ -282,14 +349,7 @@ def run_ray(opts: RayOptions) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"connecting to Ray ({opts.address or 'starting a local cluster'}) ...",
           file=sys.stderr, flush=True)
-    local = opts.address is None
-    ray.init(address=opts.address, namespace=opts.namespace, include_dashboard=False,
-             num_cpus=opts.local_num_cpus if local else None,
-             # One node, this machine: it offers every placement resource named.
-             resources={r: LOCAL_PLACEMENT for rs in opts.placement.values() for r in rs}
-             if local else None,
-             log_to_driver=False, configure_logging=False,
-             runtime_env=otel_runtime_env(os.environ, opts.template.engines))
+    ray.init(**ray_init_kwargs(opts, os.environ))
     ray_gone = threading.Event()
     exit_when_ray_is_gone(ray.get_runtime_context().gcs_address, ray_gone)
     accelerator = resolve_accelerator(opts.accelerator, ray.cluster_resources())
@@ -316,7 +376,7 @@ def run_ray(opts: RayOptions) -> int:
 
         infos = wait_engines_ready(scaler.handles, opts.start_timeout_s, progress)
         report_core_sharing(infos)
-        kvb = next((i["kv_bytes_per_token"] for i in infos if i["kv_bytes_per_token"]), None)
+        kvb = deployment_kv_bytes_per_token(infos, opts.proxy.policy, opts.template.model)
         # Ordinal order: the proxy names configured engines <role>-<index>, like the actors.
         by_role = {r: sorted((i for i in infos if i["role"] == r),
                              key=lambda i: int(i["name"].rsplit("-", 1)[1]))

@@ -20,7 +20,8 @@ class Directory(Protocol):
 
 class Scaler(Protocol):
     async def replicas(self, role: Role) -> list[str]:
-        """Names of the engines of ``role``, oldest first."""
+        """Names of the engines of ``role``, oldest first; engines dead for good (that will
+        never serve again) are stopped and left out, so they are neither counted nor kept."""
         ...
 
     async def add(self, role: Role, count: int) -> list[str]:

@@ -1,12 +1,13 @@
-"""Taking engines out of a running deployment without dropping what they serve: they get
-nothing new, finish what they have, and past a timeout their streams continue on other engines
-(stream migration). Used by ``ProxyService.scale``."""
+"""Taking engines out of a running deployment without dropping what they serve: which go
+(those down first, then the newest), and draining them: they get nothing new, finish what they
+have, and past a timeout their streams continue on other engines (stream migration). Used by
+``ProxyService.scale``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.pool import EnginePool
 
@@ -15,6 +16,15 @@ log = logging.getLogger(__name__)
 #: After a drain timed out and its streams were cut, how long their continuations may take to
 #: leave the engines (their relays end at once; a whole reply being read ends with its engine).
 EVACUATE_S = 5.0
+
+
+def pick_removals(names: Sequence[str], keep: int, up: Callable[[str], bool]) -> list[str]:
+    """Which of ``names`` (oldest first) go so that ``keep`` remain: engines that are down
+    first (restarting, unreachable, not yet probed: they serve nothing), then the newest.
+    Pure; returned oldest first."""
+    ranked = sorted(range(len(names)), key=lambda i: (up(names[i]), -i))
+    going = set(ranked[:max(len(names) - keep, 0)])
+    return [n for i, n in enumerate(names) if i in going]
 
 
 async def drain(pool: EnginePool, names: Sequence[str], timeout_s: float) -> bool:

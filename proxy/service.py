@@ -31,7 +31,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
-from proxy.scale_down import drain, undrain
+from proxy.scale_down import drain, pick_removals, undrain
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import reprobe_links, reprobe_sizes, warm_up_at_start, warm_up_engine
 
@@ -161,8 +161,8 @@ class ProxyService:
 
     async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
         """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
-        flight is dropped), newest engines go first. A removal that fails is an UpstreamError
-        (502), the engines it was for undrained."""
+        flight is dropped), engines that are down go first, then the newest. A removal that
+        fails is an UpstreamError (502), the engines it was for undrained."""
         assert self.scaler is not None
         async with self._scale_lock:
             names = await self.scaler.replicas(role)  # type: ignore[arg-type]
@@ -172,7 +172,7 @@ class ProxyService:
             if replicas > len(names):
                 added = await self.scaler.add(role, replicas - len(names))  # type: ignore[arg-type]
             elif replicas < len(names):
-                removed = names[replicas:]
+                removed = pick_removals(names, replicas, self._is_up)
                 try:
                     drained = await drain(self.pool, removed, drain_timeout_s)
                     await self.scaler.remove(removed)
@@ -186,6 +186,10 @@ class ProxyService:
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,
                     "drained": drained}
+
+    def _is_up(self, name: str) -> bool:
+        engine = self.pool.get(name)
+        return engine is not None and engine.healthy
 
     # -- routing ----------------------------------------------------------------------------
     def routing(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from .cache import (
     default_cache_root,
     ensure_model,
     is_complete,
+    model_config,
     same_on_every_node,
 )
 from .smollm2 import convert_smollm2
@@ -32,5 +33,6 @@ __all__ = [
     "default_cache_root",
     "ensure_model",
     "is_complete",
+    "model_config",
     "same_on_every_node",
 ]

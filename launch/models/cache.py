@@ -15,6 +15,9 @@ Contract of ``ensure_model(name, cache_dir=None, progress=None)``:
   unchanged; anything else is taken to be a hub id and returned as the string
   (vLLM resolves it).
 
+``model_config(name, hub_cache=None)``: the ``config.json`` of a model this node has (a
+directory's, or a hub id's in the Hugging Face cache once vLLM downloaded it), else None.
+
 ``same_on_every_node(name, built, link_dir)``: for engines on several nodes (Ray mode), a path to a
 known model's build that reads the same on every node, whatever its home: NIXL's handshake
 hashes the model's path string (vLLM's ``compute_nixl_compatibility_hash``), and a prefill
@@ -67,6 +70,22 @@ def ensure_model(
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
     return name
+
+
+def model_config(name: str, hub_cache: Path | None = None) -> Path | None:
+    """The ``config.json`` of ``name`` on this node: a directory's own, or a hub id's from the
+    Hugging Face cache (``hub_cache``, else the environment's, as vLLM's own download uses)
+    once something downloaded it, as an engine does before it is ready. None when absent."""
+    if Path(name).expanduser().is_dir():
+        config = Path(name).expanduser() / "config.json"
+        return config if config.is_file() else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(name, "config.json", cache_dir=hub_cache)
+    except ValueError:  # not a repository id either (a path missing on this node, say)
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def same_on_every_node(name: str, built: Path | str, link_dir: Path) -> Path | str:

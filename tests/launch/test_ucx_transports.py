@@ -60,7 +60,7 @@ def test_dev_mode_uses_shared_memory_and_tcp_only_over_the_throttled_link():
 def test_ray_engines_use_shared_memory_and_tcp():
     t = EngineTemplate(model="tiny", served_model_name="pdserve-tiny",
                        engines=EngineSettings(kv_cache_gib=1))
-    on_node = engine_spec_for_node(t, "decode", 0, "10.0.0.7", [21006, 21007, 21008], "/m")
+    on_node = engine_spec_for_node(t, "decode", "10.0.0.7", [21006, 21007, 21008], "/m")
     assert engine_env(on_node, base={})["UCX_TLS"] == UCX_TLS
 
 

@@ -178,6 +178,35 @@ async def test_scale_down_drains_in_flight_then_removes(prefill, decode, decode_
         assert [e.name for e in pool.decode] == ["decode-0"]
 
 
+async def test_scale_down_removes_an_engine_that_is_down_before_the_live_newest(
+        prefill, decode):
+    """decode-0 is down (restarting, its node lost), decode-1 serves: ``scale decode 1``
+    removes decode-0, not the only engine that decodes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    directory = ListDirectory([info("prefill-0", prefill),
+                               EndpointInfo("decode-0", "decode", closed),
+                               info("decode-1", decode)])
+    scaler = RecordingScaler(directory, [])
+    config = proxy_config(prefill, decode, health_interval_s=0.05)
+    async with live_proxy(config, directory=directory, scaler=scaler) as proxy, \
+            httpx.AsyncClient() as c:
+        pool = proxy.state.pool
+        def down_and_up() -> bool:
+            d0, d1 = pool.get("decode-0"), pool.get("decode-1")
+            return (d0 is not None and d0.client.base_url == closed and not d0.healthy
+                    and d1 is not None and d1.healthy)
+
+        await wait_until(down_and_up, "decode-0 down, decode-1 up")
+        r = await c.post(proxy.url + "/pd/admin/scale", timeout=30,
+                         json={"role": "decode", "replicas": 1})
+        assert r.status_code == 200 and r.json()["removed"] == ["decode-0"]
+        assert [e.name for e in pool.decode] == ["decode-1"]
+
+
 async def test_scale_down_past_its_drain_timeout_moves_the_streams_then_removes(
         prefill, decode, decode_b):
     """A stream held on decode-1 past the scale request's drain timeout: the proxy cuts it and
