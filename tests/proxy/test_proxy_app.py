@@ -289,6 +289,13 @@ BAD_HANDOFFS = {
         "kv_transfer_params": {"remote_engine_id": "e", "remote_request_id": "r",
                                "remote_host": "h", "remote_port": 1},
     }).encode(),
+    # Complete, but not what vLLM's NixlConnector writes: never reaches a decode engine.
+    "host a list": json.dumps({
+        "prompt_token_ids": [1, 2],
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e",
+                               "remote_request_id": "r", "remote_host": ["h", "169.254.169.254"],
+                               "remote_port": 1, "remote_block_ids": [[1]]},
+    }).encode(),
     "json array": b"[]",
     "json null": b"null",
     "not json": b"<html>oops</html>",
