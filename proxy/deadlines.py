@@ -23,6 +23,14 @@ class Deadlines:
     total_s: float = 600.0
     handoff_max_age_s: float = 24.0
 
+    def decode_headers_s(self, stream: bool, request_deadline: float | None, now: float
+                         ) -> float:
+        """How long a decode engine may take to its response headers: a whole reply's come
+        with its last token, so it is bounded by the request's deadline (loop time) instead."""
+        if stream or request_deadline is None:
+            return self.headers_s
+        return max(self.headers_s, request_deadline - now)
+
     def __post_init__(self) -> None:
         for name in ("prefill_s", "headers_s", "idle_s", "total_s", "handoff_max_age_s"):
             if getattr(self, name) <= 0:

@@ -11,7 +11,8 @@ _LATENCY_BUCKETS_S = (
 
 #: The label values the proxy's code uses (created at start-up; see ``ProxyMetrics``).
 FALLBACK_REASONS = ("prefill_error", "prefill_unreachable", "prefill_lost", "prefill_timeout",
-                    "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired")
+                    "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired",
+                    "handoff_refused")
 STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout")
 MIGRATION_REASONS = ("decode_lost", "decode_error", "decode_timeout")
 REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",

@@ -237,6 +237,14 @@ def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None,
     return params
 
 
+def names_handoff(param: str | None) -> bool:
+    """True when an engine's error names (in its ``param``) the transfer params, or a key in
+    them: what the proxy sent, never the client (:func:`client_params` refuses theirs). vLLM
+    names ``kv_transfer_params.prompt_token_ids`` when it refuses the forwarded ids."""
+    return param is not None and (param == BODY_KEY or param.startswith((f"{BODY_KEY}.",
+                                                                           f"{BODY_KEY}[")))
+
+
 def drop_late_handoff(params: dict[str, Any] | None, now: float) -> bool:
     """On the decode engine: drop a hand-off whose read-by time is before ``now`` (unix
     seconds), so the engine computes the prompt instead; True when dropped. The read-by key is

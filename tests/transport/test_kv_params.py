@@ -390,3 +390,18 @@ def test_remote_block_ids_is_spelled_only_in_kv_params() -> None:
         if "remote_block_ids" in path.read_text(encoding="utf-8", errors="replace")
     }
     assert holders == {"transport/kv_params.py"}
+
+
+@pytest.mark.parametrize(("param", "expected"), [
+    ("kv_transfer_params.prompt_token_ids", True),  # vLLM's words for refused ids
+    ("kv_transfer_params", True),
+    ("kv_transfer_params['prompt_token_ids']", True),
+    ("max_tokens", False),  # the client's own field
+    ("messages", False),
+    ("kv_transfer_paramsX", False),
+    (None, False),  # vLLM names no field: the proxy cannot tell whose it is
+])
+def test_names_handoff(param: str | None, expected: bool) -> None:
+    """Only an error naming what the proxy alone sends (clients' params are refused) is the
+    hand-off's: the decode leg then computes the prompt instead of failing the client."""
+    assert kv_params.names_handoff(param) is expected
