@@ -72,6 +72,10 @@ class FakeEngine:
     #: Status of a decode reply; anything but 200 comes with vLLM's error body (500: what vLLM
     #: answers while its engine core is dead).
     decode_status: int = 200
+    #: A decode request carrying a hand-off's prompt ids gets vLLM's 400 for ids out of its
+    #: vocabulary (``param`` naming them: vLLM's online renderer), as one with the engines'
+    #: models mismatched would.
+    decode_refuses_handoff_ids: bool = False
     #: When set, a streaming decode writes this many frames, then ends the stream as vLLM does
     #: when its engine core dies: an error event with ``decode_error_code``, then ``[DONE]``.
     decode_error_after_frames: int | None = None
@@ -231,6 +235,11 @@ class FakeEngine:
     ) -> web.StreamResponse:
         if gate is not None and self.decode_gate_after_frames == 0:
             await gate.wait()
+        sent = rec.body.get("kv_transfer_params")
+        if self.decode_refuses_handoff_ids and isinstance(sent, dict) and \
+                sent.get("prompt_token_ids") is not None:
+            return _error(400, "BadRequestError", "Token id 999999 is out of vocabulary",
+                          param="kv_transfer_params.prompt_token_ids")
         if self.decode_status != 200:
             return _error(self.decode_status, "InternalServerError", "EngineCore encountered an "
                           "issue. See stack trace (above) for the root cause.")
@@ -386,7 +395,7 @@ def _continued_from(body: dict[str, Any]) -> int:
     return k if prompt[-k:] == list(range(OUTPUT_ID_BASE, OUTPUT_ID_BASE + k)) else 0
 
 
-def _error(status: int, type_: str, message: str) -> web.Response:
+def _error(status: int, type_: str, message: str, param: str | None = None) -> web.Response:
     """vLLM's error body."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
     return web.json_response(body, status=status)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from proxy.estimators import LinkFit, PrefillFit, TokenRatio
 from proxy.ledger import Ledger
@@ -20,6 +21,9 @@ from proxy.step_fit import StepFit
 from proxy.step_tracker import Arrival, StepTracker
 from proxy.worst_gap import WorstGapFit
 from transport.cost import LinkModel, PrefillModel, StepModel
+
+if TYPE_CHECKING:
+    from proxy.engine import Engine
 
 #: Priors until start-up probes and traffic replace them (CPU-class engine, loopback link).
 PREFILL_PRIOR = PrefillModel(fixed_s=0.02, tokens_per_s=2000.0)
@@ -166,6 +170,10 @@ class RouteCosts:
         size = mean_prompt_tokens or self.typical_prompt_tokens
         load = self.ledger.load(engine)
         return load.prompt_tokens + load.output_tokens + foreign_requests * size
+
+    def engine_load_tokens(self, engine: Engine) -> float:
+        """:meth:`load_tokens` of ``engine``, with what its metrics say of other clients."""
+        return self.load_tokens(engine.name, engine.foreign_requests, engine.mean_prompt_tokens)
 
     # -- measurements --------------------------------------------------------------------------
     def observe_remote_prefill(self, engine: str, new_tokens: int, seconds: float) -> None:

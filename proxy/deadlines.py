@@ -25,6 +25,12 @@ class Deadlines:
     total_s: float = 600.0
     handoff_max_age_s: float = 24.0
 
+    def decode_headers_s(self, stream: bool, request_deadline: float | None) -> float:
+        """How long a decode engine may take to its response headers, within the request's
+        deadline (``loop.time()``): a whole reply's come with its last token, so it has the
+        request's deadline alone."""
+        return min(self.headers_s if stream else math.inf, seconds_left(request_deadline))
+
     def __post_init__(self) -> None:
         for name in ("prefill_s", "headers_s", "idle_s", "total_s", "handoff_max_age_s"):
             if getattr(self, name) <= 0:

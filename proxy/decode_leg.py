@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from typing import Any
 
@@ -58,7 +57,7 @@ class DecodeLeg:
         #: The decode engine sent its response headers (it has the request).
         self.answered = False
         #: The decode engine computes the prompt: timed alone when nothing else was queued.
-        self.local_was_idle = False
+        self.local_was_idle = handoff is None and claim.add_prompt(plan.decode_new_tokens)
         self._streaming, self._streams_at_send = False, 0
         #: No prompt work of this proxy was queued on the decode engine when the KV went there:
         #: the hand-over then times the link, not a wait behind a local prefill.
@@ -67,8 +66,6 @@ class DecodeLeg:
         self._itl: Histogram | None = None  # pd_itl_seconds{route}
         self._decode_span: Any = None  # the open ``decode`` span, when tracing
         self._handover: Handover | None = None  # the KV sent to the engine tried now
-        if handoff is None:
-            self.local_was_idle = claim.add_prompt(plan.decode_new_tokens)
         self.body = decode_body(req.body, handoff, self.read_by, req.kv_limits)
 
     @property
@@ -99,24 +96,30 @@ class DecodeLeg:
                     "decode", self.trace.t_decode_sent, headers, engine=decode.name,
                     route=self.route)
             try:
-                # (A whole reply's headers come with its last token: the request's deadline.)
-                headers_s = min(self._deadlines.headers_s if self.req.stream else math.inf,
-                                seconds_left(self.req.deadline))
+                headers_s = self._deadlines.decode_headers_s(self.req.stream,
+                                                             self.req.deadline)
                 stream = await decode.client.open_stream(
                     self.req.path, self.body, headers, headers_s, self._deadlines.idle_s)
-                if stream.status < 500:
+                if stream.status < 400 or (stream.status < 500 and self.handoff is None):
                     break
-                failed = await stream.read_and_close()
+                error = from_engine_error(stream.status, await stream.read_and_close())
+                if stream.status < 500:  # to a hand-off: the client's error, or one it caused
+                    if not kv_params.names_handoff(error.param):  # (the proxy alone sends them)
+                        raise error
+                    tracker.work_dropped(self, time.perf_counter())
+                    self._recompute_instead("handoff_refused")  # here (vLLM frees the blocks)
+                    continue
                 if not self._move_on(decode, tried, f"answered {stream.status}"):
-                    raise from_engine_error(stream.status, failed)
+                    raise error
                 if self.handoff is not None:
-                    self._recompute_instead(delivered=True)
+                    self._recompute_instead("handoff_maybe_read")
             except EngineUnreachable as exc:
                 self._pool.mark_down(decode)
                 if not self._move_on(decode, tried, "unreachable"):
                     raise UpstreamError("the decode engine is unreachable") from None
                 if self.handoff is not None and (exc.delivered or time.time() > self.read_by):
-                    self._recompute_instead(exc.delivered)
+                    self._recompute_instead("handoff_maybe_read" if exc.delivered
+                                            else "handoff_expired")
             except EngineTimeout:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
                 if self.handoff is not None and self.req.stream:
@@ -134,7 +137,7 @@ class DecodeLeg:
     def _move_on(self, failed: Engine, tried: set[str], why: str) -> bool:
         """Move the claim to a decode engine not yet ``tried``; False when there is none."""
         self._costs.tracker(failed.name).work_dropped(self, time.perf_counter())
-        other = self._pool.pick_decode(self._load, exclude={failed.name})
+        other = self._pool.pick_decode(self._costs.engine_load_tokens, exclude={failed.name})
         if other is None or other.name in tried:
             return False
         log.warning("decode %s %s: retrying %s on %s", failed.name, why, self.req.request_id,
@@ -144,15 +147,11 @@ class DecodeLeg:
         self.local_was_idle = self.local_was_idle and self.claim.was_idle
         return True
 
-    def _load(self, engine: Engine) -> float:
-        return self._costs.load_tokens(engine.name, engine.foreign_requests,
-                                       engine.mean_prompt_tokens)
-
-    def _recompute_instead(self, delivered: bool) -> None:
+    def _recompute_instead(self, reason: str) -> None:
         """Drop the hand-off: the next decode engine computes the prompt itself. Used when the
         engine that failed may have read the KV already (its read freed the prefill's blocks),
-        or when the prefill's lease on them is nearly over (a late read: silent garbage)."""
-        reason = "handoff_maybe_read" if delivered else "handoff_expired"
+        when the prefill's lease on them is nearly over (a late read: silent garbage), or when
+        the engine refused it."""
         log.warning("%s: the retry computes the prompt (%s)", self.req.request_id, reason)
         self._metrics.fallbacks_total.labels(reason).inc()
         self.handoff = None

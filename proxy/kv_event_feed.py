@@ -3,8 +3,9 @@
 One task per engine: ``run_feed(endpoint, index)`` connects a SUB socket (ZMQ reconnects by
 itself when an engine restarts), decodes each batch with ``transport.kv_events`` and applies it.
 A gap in sequence numbers means lost events: the index is cleared rather than trusted, and
-refills from new events. The caller cancels the task to stop it; the socket is closed in
-``finally``.
+refills from new events. So does a batch that cannot be decoded or applied: the task ends only
+when the caller cancels it (nobody awaits it, so an exception would freeze the index for good);
+the socket is closed in ``finally``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,16 @@ async def run_feed(endpoint: str, index: PrefixIndex, ctx: zmq.asyncio.Context) 
                 index.apply([AllCleared()])
             last_seq = seq
             try:
-                index.apply(decode_batch(payload))
-            except EventFormatError as exc:
-                log.warning("KV events from %s: %s", endpoint, exc)
+                events = decode_batch(payload)
+            except EventFormatError as exc:  # a batch not read is a batch lost
+                log.warning("KV events from %s: %s; index reset", endpoint, exc)
+                index.apply([AllCleared()])
+                continue
+            try:
+                index.apply(events)
+            except Exception:  # noqa: BLE001 - the feed outlives any one batch
+                # Applied halfway, the index may now claim blocks the engine dropped.
+                log.exception("KV events from %s: batch not applied, index reset", endpoint)
+                index.apply([AllCleared()])
     finally:
         sock.close(0)

@@ -11,14 +11,15 @@ _LATENCY_BUCKETS_S = (
 
 #: The label values the proxy's code uses (created at start-up; see ``ProxyMetrics``).
 FALLBACK_REASONS = ("prefill_error", "prefill_unreachable", "prefill_lost", "prefill_timeout",
-                    "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired")
+                    "bad_handoff", "decode_retried", "handoff_maybe_read", "handoff_expired",
+                    "handoff_refused")
 STREAM_ERROR_REASONS = ("decode_lost", "decode_error", "decode_timeout", "deadline")
 MIGRATION_REASONS = ("decode_lost", "decode_error", "decode_timeout")
 #: Why a stream was not continued: off, past the limit, budget or prompt not known, no engine
 #: left, or what ``migration.not_migratable`` names.
 MIGRATION_FAILURE_REASONS = ("disabled", "limit", "unknown_budget", "unknown_prompt",
                              "no_engine", "logprobs", "echo", "stop_strings",
-                             "structured_output", "multimodal")
+                             "structured_output", "multimodal", "batch")
 REJECTION_TYPES = ("invalid_request_error", "authentication_error", "not_found_error",
                    "overloaded_error", "timeout_error")
 DISCONNECT_STAGES = ("before_response", "after_prefill", "streaming")

@@ -137,7 +137,7 @@ class Orchestrator:
                 return await self._serve(req, prefill, decode)
             except (DecodeLost, DecodeStalled) as exc:
                 reason = "decode_lost" if isinstance(exc, DecodeLost) else "decode_timeout"
-                decode = self.pool.pick_decode(self._load, exclude={exc.engine})
+                decode = self.pool.pick_decode(self.costs.engine_load_tokens, exclude={exc.engine})
                 if attempt == limit or decode is None:
                     self.metrics.migrations_failed_total.labels(
                         "limit" if decode is not None else "no_engine").inc()
@@ -152,7 +152,7 @@ class Orchestrator:
         """``req`` (a stream's continuation) on a decode engine not in ``failed``: its chunks,
         and that engine's name. That engine failing before it answered is a ``DecodeLost`` of
         its own (another may be tried)."""
-        decode = self.pool.pick_decode(self._load, exclude=failed)
+        decode = self.pool.pick_decode(self.costs.engine_load_tokens, exclude=failed)
         if decode is None:
             raise NoEngineAvailable("no other decode engine to continue the stream on")
         try:
@@ -247,7 +247,7 @@ class Orchestrator:
                           itl_s=own.itl_s or self.targets.itl_s)
         plan = make_plan(req, pool=self.pool, costs=self.costs, policy=self.policy,
                          prompt_chars=prompt_chars(req.body), measured=measured,
-                         output_budget=output_budget(req.body), load=self._load,
+                         output_budget=output_budget(req.body), load=self.costs.engine_load_tokens,
                          prefill=prefill, decode=decode, targets=targets, now=time.monotonic())
         if req.spans is not None:
             prefill_name = plan.prefill.name if plan.prefill else None
@@ -258,7 +258,3 @@ class Orchestrator:
             req.spans.decided(route=plan.decision.route, decode=plan.decode.name,
                               prefill=prefill_name)
         return plan
-
-    def _load(self, engine: Engine) -> float:
-        return self.costs.load_tokens(engine.name, engine.foreign_requests,
-                                      engine.mean_prompt_tokens)

@@ -76,7 +76,11 @@ def _deep(x: Any) -> Hashable:
 
 
 def decode_batch(payload: bytes) -> list[KVEvent]:
-    """Decode one ``EventBatch`` payload; unknown event types are skipped (forward-compatible)."""
+    """Decode one ``EventBatch`` payload; unknown event types are skipped (forward-compatible).
+
+    A malformed event refuses the whole batch (EventFormatError naming it): the caller then
+    holds a batch it could not read, as good as lost, and resets what it mirrors rather than
+    apply the rest (a missed removal would over-report cached blocks for good)."""
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -84,25 +88,57 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise EventFormatError("KV event batch is not [ts, events, ...]")
     out: list[KVEvent] = []
-    for ev in batch[1]:
+    for i, ev in enumerate(batch[1]):
         if not isinstance(ev, dict):
             raise EventFormatError("KV event is not a map")
-        kind = ev.get("type")
-        tier = ev.get("medium") or DEVICE_TIER
-        if kind == "BlockStored":
-            out.append(BlocksStored(
-                block_hashes=tuple(_hashable(h) for h in ev["block_hashes"]),
-                parent_hash=_hashable(ev.get("parent_block_hash")),
-                token_ids=tuple(ev["token_ids"]),
-                block_size=int(ev["block_size"]),
-                tier=tier,
-                extra_keys=_extra(ev),
-            ))
-        elif kind == "BlockRemoved":
-            out.append(BlocksRemoved(tuple(_hashable(h) for h in ev["block_hashes"]), tier))
-        elif kind == "AllBlocksCleared":
-            out.append(AllCleared(ev.get("medium") or DEVICE_TIER))
+        try:
+            event = _event(ev)
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise EventFormatError(f"malformed KV event {i} ({ev.get('type')!r}): "
+                                   f"{type(exc).__name__}: {exc}") from None
+        if event is not None:
+            out.append(event)
     return out
+
+
+_TOKEN_IDS = list[int]
+
+
+def _event(ev: dict) -> KVEvent | None:
+    """One event map as a typed event, None for an unknown type; KeyError, TypeError or
+    ValueError when it is not what vLLM publishes."""
+    kind = ev.get("type")
+    medium = ev.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise TypeError(f"medium is {type(medium).__name__}")
+    tier = medium or DEVICE_TIER
+    if kind == "BlockStored":
+        block_size = ev["block_size"]
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"block_size {block_size!r} is not a positive integer")
+        stored = BlocksStored(
+            block_hashes=_hashes(ev["block_hashes"]),
+            parent_hash=_hashable(ev.get("parent_block_hash")),
+            token_ids=tuple(msgspec.convert(ev["token_ids"], _TOKEN_IDS, strict=True)),
+            block_size=block_size,
+            tier=tier,
+            extra_keys=_extra(ev),
+        )
+        hash((stored.parent_hash, stored.extra_keys))  # the index keys blocks by these
+        return stored
+    if kind == "BlockRemoved":
+        return BlocksRemoved(_hashes(ev["block_hashes"]), tier)
+    if kind == "AllBlocksCleared":
+        return AllCleared(tier)
+    return None
+
+
+def _hashes(raw: Any) -> tuple[Hashable, ...]:
+    if not isinstance(raw, list):
+        raise TypeError(f"block_hashes is {type(raw).__name__}, not a list")
+    hashes = tuple(_hashable(h) for h in raw)
+    hash(hashes)  # TypeError for a map among them
+    return hashes
 
 
 def kv_events_config(endpoint: str, topic: str = "kv") -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -104,15 +104,23 @@ class _Reply(msgspec.Struct):
 _REPLY = msgspec.json.Decoder(_Reply)
 _CHOICE = msgspec.json.Decoder(_ReplyChoice)
 _ID_BYTES = b"0123456789, \t\r\n"
+#: Every digit as "0", every other byte as ",": an id's digits become a run of zeros.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x2C for b in range(256))
+#: The shortest id that may not fit an int64 (2**63 has 19 digits; JSON has no leading zeros).
+_LONG_ID = b"0" * 19
+_ID_LIMIT = 2**63
 
 
 def count_token_ids(raw: bytes) -> int:
-    """The number of ids in ``raw``, a JSON array of non-negative integers; HandoffError when it
-    is anything else. ``raw`` must be well-formed JSON (a value msgspec decoded, or encoded):
-    then an array holding only digits, commas and whitespace is a list of ids. One byte scan in
-    C, no Python int per id (this runs on every hand-off: ~0.6 ms for 128k ids here)."""
+    """The number of ids in ``raw``, a JSON array of integers in [0, 2**63); HandoffError when
+    it is anything else. ``raw`` must be well-formed JSON (a value msgspec decoded, or encoded):
+    then an array holding only digits, commas and whitespace is a list of ids, and one with no
+    run of 19 digits has none over int64. Byte scans in C, no Python int per id (this runs on
+    every hand-off: ~0.6 ms for 128k ids here, about twice that with the int64 check)."""
     if raw.translate(None, _ID_BYTES) != b"[]" or not raw.strip(b"[] \t\r\n"):
         raise HandoffError(f"prefill reply has no usable {PROMPT_TOKEN_IDS_KEY}")
+    if _LONG_ID in raw.translate(_DIGITS_AS_ZEROS) and max(msgspec.json.decode(raw)) >= _ID_LIMIT:
+        raise HandoffError(f"prefill {PROMPT_TOKEN_IDS_KEY} hold an id over int64")
     return raw.count(b",") + 1
 
 
@@ -151,26 +159,34 @@ def parse_prefill_reply(reply: Mapping[str, Any]) -> PrefillHandoff:
 
 
 def _handoff(params: Any, ids_json: bytes) -> PrefillHandoff:
+    """Check what the decode engine acts on (whom its NIXL side channel calls, which blocks it
+    reads, the prompt it takes) before it is forwarded: each field in the type and range vLLM's
+    NixlConnector writes (``request_finished`` on the prefill's scheduler), nothing looser."""
     if not isinstance(params, Mapping):
         raise HandoffError(f"prefill reply has no {BODY_KEY}")
     missing = [k for k in _REQUIRED_HANDOFF_KEYS if params.get(k) is None]
     if missing:
         raise HandoffError(f"prefill {BODY_KEY} lack {', '.join(missing)}")
+    if params.get("do_remote_prefill") is not True:
+        raise HandoffError("prefill do_remote_prefill is not true: nothing to pull")
+    engine_id, request_id, host = (params[k] for k in (
+        "remote_engine_id", "remote_request_id", "remote_host"))
+    if not all(isinstance(v, str) and v for v in (engine_id, request_id, host)):
+        raise HandoffError("prefill remote_engine_id, remote_request_id or remote_host is not a "
+                           "string")
+    port = _count(params, "remote_port")
+    if not 0 < port < 65536:
+        raise HandoffError(f"prefill remote_port {port} is not a TCP port")
+    num_blocks = _num_blocks(params["remote_block_ids"])
     num_ids = count_token_ids(ids_json)
-    block_groups = params["remote_block_ids"]
-    if not isinstance(block_groups, list) or not all(isinstance(g, list) for g in block_groups):
-        raise HandoffError("prefill remote_block_ids is not a list of block id lists")
-    num_blocks = sum(len(g) for g in block_groups)
-    try:
-        port = int(params["remote_port"])
-        num_tokens = int(params.get("remote_num_tokens") or 0)
-        cached_tokens = int(params.get("remote_prefill_cached_tokens") or 0)
-    except (TypeError, ValueError) as exc:
-        raise HandoffError("prefill remote_port or token counts are not integers") from exc
+    num_tokens = _count(params, "remote_num_tokens")
+    cached_tokens = _count(params, "remote_prefill_cached_tokens")
+    if cached_tokens > num_ids:
+        raise HandoffError(f"prefill cached {cached_tokens} tokens of a {num_ids}-token prompt")
     return PrefillHandoff(
-        engine_id=str(params["remote_engine_id"]),
-        request_id=str(params["remote_request_id"]),
-        host=str(params["remote_host"]),
+        engine_id=engine_id,
+        request_id=request_id,
+        host=host,
         port=port,
         num_blocks=num_blocks,
         num_tokens=num_tokens,
@@ -179,6 +195,31 @@ def _handoff(params: Any, ids_json: bytes) -> PrefillHandoff:
         num_prompt_tokens=num_ids,
         params=dict(params),
     )
+
+
+def _count(params: Mapping[str, Any], key: str) -> int:
+    """``params[key]``, an int >= 0 (vLLM writes ints; bool is an int subclass, and refused); a
+    missing or null count is 0."""
+    value = params.get(key)
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        raise HandoffError(f"prefill {key} is not an integer >= 0")
+    return value
+
+
+#: Per KV cache group, the prefill's block ids (vLLM's ``BlockIds``; 0 is its null block).
+#: Checked in C: thousands of ids on a long prompt's hand-off.
+_BLOCK_GROUPS = list[list[Annotated[int, msgspec.Meta(ge=0)]]]
+
+
+def _num_blocks(block_groups: Any) -> int:
+    try:
+        msgspec.convert(block_groups, _BLOCK_GROUPS, strict=True)
+    except msgspec.ValidationError as exc:
+        raise HandoffError(f"prefill remote_block_ids is not a list of block id lists: {exc}"
+                           ) from None
+    return sum(len(g) for g in block_groups)
 
 
 def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None, *,
@@ -194,6 +235,14 @@ def decode_request_params(handoff: PrefillHandoff, read_by: float | None = None,
     if read_by is not None:
         params[READ_BY_KEY] = read_by
     return params
+
+
+def names_handoff(param: str | None) -> bool:
+    """True when an engine's error names (in its ``param``) the transfer params, or a key in
+    them: what the proxy sent, never the client (:func:`client_params` refuses theirs). vLLM
+    names ``kv_transfer_params.prompt_token_ids`` when it refuses the forwarded ids."""
+    return param is not None and (param == BODY_KEY or param.startswith((f"{BODY_KEY}.",
+                                                                           f"{BODY_KEY}[")))
 
 
 def drop_late_handoff(params: dict[str, Any] | None, now: float) -> bool:

@@ -305,6 +305,13 @@ BAD_HANDOFFS = {
         "kv_transfer_params": {"remote_engine_id": "e", "remote_request_id": "r",
                                "remote_host": "h", "remote_port": 1},
     }).encode(),
+    # Complete, but not what vLLM's NixlConnector writes: never reaches a decode engine.
+    "host a list": json.dumps({
+        "prompt_token_ids": [1, 2],
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "e",
+                               "remote_request_id": "r", "remote_host": ["h", "169.254.169.254"],
+                               "remote_port": 1, "remote_block_ids": [[1]]},
+    }).encode(),
     "json array": b"[]",
     "json null": b"null",
     "not json": b"<html>oops</html>",
@@ -339,6 +346,39 @@ async def test_decode_400_is_the_clients_error(prefill: FakeEngine, decode: Fake
     assert "maximum context length" in error["message"]
     assert not prefill.completion_requests
     assert len(decode.decode_requests) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_decode_refusing_the_handoff_computes_the_prompt(
+    prefill: FakeEngine, decode: FakeEngine, stream: bool
+) -> None:
+    """A decode 4xx naming the transfer params (vLLM refusing the prefill's prompt ids, say) is
+    the proxy's doing, never the client's: the same engine computes the prompt instead."""
+    decode.decode_refuses_handoff_ids = True
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body(stream=stream))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-pd-route"] == "local"
+        assert await metric(client, "pd_fallbacks_total", reason="handoff_refused") == 1
+    first, second = decode.decode_requests
+    assert first.body["kv_transfer_params"]["prompt_token_ids"] == prefill.handoff_prompt_ids[0]
+    assert "kv_transfer_params" not in second.body  # the client's body, no hand-off
+    assert without(second.body, "return_token_ids") == chat_body(stream=stream)
+    assert len(prefill.prefill_requests) == 1
+
+
+async def test_a_decode_400_to_a_handoff_not_naming_it_is_the_clients_error(
+    prefill: FakeEngine, decode: FakeEngine
+) -> None:
+    """What the prefill accepted the decode may still refuse (the client's ``max_tokens`` past
+    the context, say): the client's error, relayed, and no second engine call."""
+    decode.decode_status = 400
+    async with proxy(prefill, decode) as client:
+        resp = await client.post(CHAT_PATH, json=chat_body())
+        assert_error(resp, 400, "invalid_request_error")
+        assert await metric(client, "pd_fallbacks_total", reason="handoff_refused") == 0
+    assert len(decode.decode_requests) == 1
+    assert "kv_transfer_params" in decode.decode_requests[0].body
 
 
 # --- decode failures --------------------------------------------------------------------------

@@ -57,6 +57,38 @@ def test_malformed_payloads_raise(payload):
         decode_batch(payload)
 
 
+def _stored_map(**over) -> dict:
+    return {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None, "medium": None,
+            "lora_name": None, **over}
+
+
+MALFORMED_EVENTS = {
+    "stored without fields": {"type": "BlockStored", "block_hashes": [1]},
+    "null token ids": _stored_map(token_ids=None),
+    "token ids not ints": _stored_map(token_ids=["a", 2, 3, 4]),
+    "token ids bools": _stored_map(token_ids=[True, 2, 3, 4]),
+    "block size a string": _stored_map(block_size="x"),
+    "block size zero": _stored_map(block_size=0),
+    "hashes not a list": _stored_map(block_hashes=7),
+    "a map as a hash": _stored_map(block_hashes=[{"h": 1}]),
+    "a map as the parent": _stored_map(parent_block_hash={"h": 1}),
+    "medium a list": _stored_map(medium=["GPU"]),
+    "extra keys a number": _stored_map(extra_keys=5),
+    "removed without hashes": {"type": "BlockRemoved"},
+    "removed hashes null": {"type": "BlockRemoved", "block_hashes": None},
+    "cleared on a map medium": {"type": "AllBlocksCleared", "medium": {"x": 1}},
+}
+
+
+@pytest.mark.parametrize("bad", MALFORMED_EVENTS.values(), ids=MALFORMED_EVENTS.keys())
+def test_a_malformed_event_refuses_its_batch(bad: dict) -> None:
+    """EventFormatError, never KeyError/TypeError (the feed resets its index on it and goes on),
+    and for the whole batch: the good event beside it is not applied alone."""
+    with pytest.raises(EventFormatError, match="malformed KV event 1"):
+        decode_batch(msgspec.msgpack.encode([1.0, [_stored_map(), bad]]))
+
+
 def test_engine_config():
     cfg = json.loads(kv_events_config("tcp://*:5700"))
     assert cfg == {"enable_kv_cache_events": True, "publisher": "zmq",

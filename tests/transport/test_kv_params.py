@@ -22,7 +22,8 @@ from transport.kv_params import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROMPT_IDS = [151644, 872, 198, 9707, 11, 1879, 0, 151645]
+#: A 37-token chat prompt (the params below: 16 of its tokens were cached on the prefill).
+PROMPT_IDS = [151644, 872, 198, *[9707, 11, 1879, 0] * 8, 151645, 198]
 
 
 def nixl_params(**overrides: Any) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def chat_reply(params: Any = None, **top: Any) -> dict[str, Any]:
                 "token_ids": [9707],
             }
         ],
-        "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1},
+        "usage": {"prompt_tokens": 37, "total_tokens": 38, "completion_tokens": 1},
         "prompt_logprobs": None,
         "prompt_token_ids": list(PROMPT_IDS),
         "kv_transfer_params": nixl_params() if params is None else params,
@@ -92,7 +93,7 @@ def completions_reply(params: Any = None) -> dict[str, Any]:
                 "token_ids": [279],
             }
         ],
-        "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1},
+        "usage": {"prompt_tokens": 37, "total_tokens": 38, "completion_tokens": 1},
         "kv_transfer_params": nixl_params() if params is None else params,
     }
 
@@ -140,8 +141,24 @@ def test_no_blocks() -> None:
     assert not handoff.has_blocks
 
 
-def test_numeric_string_port_is_accepted() -> None:
-    assert parse_prefill_reply(chat_reply(nixl_params(remote_port="5601"))).port == 5601
+def test_null_block_id_and_empty_groups_are_accepted() -> None:
+    """vLLM's null block is id 0; a full prefix hit on the prefill leaves no blocks at all."""
+    assert parse_prefill_reply(chat_reply(nixl_params(remote_block_ids=[[0, 3], []]))
+                               ).num_blocks == 2
+    assert parse_prefill_reply(chat_reply(nixl_params(remote_block_ids=[]))).num_blocks == 0
+
+
+def test_every_prompt_token_cached_is_accepted() -> None:
+    params = nixl_params(remote_prefill_cached_tokens=len(PROMPT_IDS))
+    assert parse_prefill_reply(chat_reply(params)).cached_tokens == len(PROMPT_IDS)
+
+
+def test_ids_up_to_int64_are_accepted() -> None:
+    """The int64 check only decodes ids long enough to need it; the largest that fits passes."""
+    ids = [*PROMPT_IDS, 2**63 - 1, 10**18]
+    reply = chat_reply(prompt_token_ids=ids)
+    assert parse_prefill_json(msgspec.json.encode(reply)).prompt_token_ids == tuple(ids)
+    assert parse_prefill_reply(reply).prompt_token_ids == tuple(ids)
 
 
 def test_handoff_is_frozen_and_independent_of_the_reply() -> None:
@@ -195,6 +212,32 @@ BAD_REPLIES: list[tuple[str, Any]] = [
     ("port not a number", chat_reply(nixl_params(remote_port="not-a-port"))),
     ("port empty string", chat_reply(nixl_params(remote_port=""))),
     ("port a list", chat_reply(nixl_params(remote_port=[5600]))),
+    # What the decode engine acts on is checked against what vLLM's NixlConnector writes
+    # (pull_scheduler.request_finished): a string host, an int port, int block ids, ...
+    ("port a numeric string", chat_reply(nixl_params(remote_port="5601"))),
+    ("port a bool", chat_reply(nixl_params(remote_port=True))),
+    ("port a float", chat_reply(nixl_params(remote_port=5600.5))),
+    ("port negative", chat_reply(nixl_params(remote_port=-1))),
+    ("port zero", chat_reply(nixl_params(remote_port=0))),
+    ("port over 65535", chat_reply(nixl_params(remote_port=70000))),
+    ("host an object", chat_reply(nixl_params(remote_host={"a": 1}))),
+    ("host a list", chat_reply(nixl_params(remote_host=["10.0.0.7", "169.254.169.254"]))),
+    ("host empty", chat_reply(nixl_params(remote_host=""))),
+    ("engine id a number", chat_reply(nixl_params(remote_engine_id=7))),
+    ("request id an object", chat_reply(nixl_params(remote_request_id={"id": "r"}))),
+    ("block ids strings", chat_reply(nixl_params(remote_block_ids=[["a", None]]))),
+    ("block ids negative", chat_reply(nixl_params(remote_block_ids=[[-5, 2]]))),
+    ("block ids bools", chat_reply(nixl_params(remote_block_ids=[[True]]))),
+    ("block ids floats", chat_reply(nixl_params(remote_block_ids=[[3.0]]))),
+    ("do_remote_prefill false", chat_reply(nixl_params(do_remote_prefill=False))),
+    ("do_remote_prefill missing", chat_reply(_without("do_remote_prefill"))),
+    ("do_remote_prefill truthy", chat_reply(nixl_params(do_remote_prefill=1))),
+    ("cached more than the prompt", chat_reply(nixl_params(remote_prefill_cached_tokens=10**9))),
+    ("cached negative", chat_reply(nixl_params(remote_prefill_cached_tokens=-1))),
+    ("num_tokens negative", chat_reply(nixl_params(remote_num_tokens=-3))),
+    ("num_tokens a bool", chat_reply(nixl_params(remote_num_tokens=True))),
+    ("ids over int64", chat_reply(prompt_token_ids=[1, 2**63])),
+    ("ids far over int64", chat_reply(prompt_token_ids=[2**70])),
     # Malformed shapes must also be a HandoffError (the proxy falls back on it), not a crash.
     ("reply is a list", [chat_reply()]),
     ("reply is null", None),
@@ -347,3 +390,18 @@ def test_remote_block_ids_is_spelled_only_in_kv_params() -> None:
         if "remote_block_ids" in path.read_text(encoding="utf-8", errors="replace")
     }
     assert holders == {"transport/kv_params.py"}
+
+
+@pytest.mark.parametrize(("param", "expected"), [
+    ("kv_transfer_params.prompt_token_ids", True),  # vLLM's words for refused ids
+    ("kv_transfer_params", True),
+    ("kv_transfer_params['prompt_token_ids']", True),
+    ("max_tokens", False),  # the client's own field
+    ("messages", False),
+    ("kv_transfer_paramsX", False),
+    (None, False),  # vLLM names no field: the proxy cannot tell whose it is
+])
+def test_names_handoff(param: str | None, expected: bool) -> None:
+    """Only an error naming what the proxy alone sends (clients' params are refused) is the
+    hand-off's: the decode leg then computes the prompt instead of failing the client."""
+    assert kv_params.names_handoff(param) is expected
