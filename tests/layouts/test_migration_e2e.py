@@ -59,8 +59,8 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
             os.killpg(pgid, signal.SIGSTOP)
             stopped.append(pgid)
             return
-        (core,) = [p for p in psutil.Process(pgid).children()
-                   if p.name().startswith("VLLM::EngineCor")]
+        (core,) = [p for p in psutil.Process(pgid).children(recursive=True)  # (under the
+                   if p.name().startswith("VLLM::EngineCor")]  # reaper that leads the group)
         core.kill()
 
     reference = run()
