@@ -73,18 +73,23 @@ def test_the_run_file_is_replaced_whole_on_a_restart(tmp_path):
             e.popen.kill()
 
 
-def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
-    starts = []
-
+def crash_looping(tmp_path: Path, starts: list[float]) -> tuple[Supervisor, EngineProcess]:
+    """A supervisor of one engine that died, whose every start dies at once (each start's
+    time noted in ``starts``)."""
     def start(dead: EngineProcess) -> EngineProcess:
         starts.append(time.monotonic())
         e = proc(DIES)
         wait_dead(e)
         return e
 
-    engines = [proc(DIES)]
-    wait_dead(engines[0])
-    sup = Supervisor(engines, tmp_path, start=start, quick_s=120.0, max_quick_deaths=3)
+    engine = proc(DIES)
+    wait_dead(engine)
+    return Supervisor([engine], tmp_path, start=start, quick_s=120.0, max_quick_deaths=3), engine
+
+
+def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
+    starts: list[float] = []
+    sup, engine = crash_looping(tmp_path, starts)
     now = time.monotonic()
     pauses = []
     for _ in range(200):
@@ -97,24 +102,15 @@ def test_a_crash_loop_backs_off_then_is_left_down(tmp_path):
     assert len(starts) == 3, starts
     gaps = [round(b - a) for a, b in zip(pauses, pauses[1:])]
     assert gaps == [2, 4], gaps  # each pause counted from the death, deaths are immediate
-    assert sup.restarts == 3 and not engines[0].alive()
+    assert sup.restarts == 3 and not engine.alive()
 
 
 def test_an_engine_that_dies_before_it_ever_served_is_a_crash_loop_however_slow(tmp_path):
     """A start-up longer than quick_s (a big model's load, SmolLM2 on a busy CPU) ending in the
     same crash each time (its KV cache does not fit) used to count as a death "long after
     start": restarted every second, forever, although it never once served."""
-    starts = []
-
-    def start(dead: EngineProcess) -> EngineProcess:
-        starts.append(1)
-        e = proc(DIES)
-        wait_dead(e)
-        return e
-
-    engines = [proc(DIES)]
-    wait_dead(engines[0])
-    sup = Supervisor(engines, tmp_path, start=start, quick_s=120.0, max_quick_deaths=3)
+    starts: list[float] = []
+    sup, _ = crash_looping(tmp_path, starts)
     now = time.monotonic()
     sup._watch[0].started = now - 200
     for _ in range(20):

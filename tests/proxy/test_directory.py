@@ -63,6 +63,18 @@ async def decode_b():
     await engine.stop()
 
 
+async def next_goes_past_a_held_stream(c, url, busy, other) -> None:
+    """``busy`` holds a stream (its decode waits): the next request goes to ``other``."""
+    busy.decode_gate = asyncio.Event()
+    held = asyncio.create_task(c.post(url + "/v1/completions", json=dict(BODY, stream=True),
+                                      timeout=30))
+    await busy.wait_for_requests(1)
+    r = await c.post(url + "/v1/completions", json=BODY, timeout=30)
+    assert r.status_code == 200 and len(other.decode_requests) == 1
+    busy.decode_gate.set()
+    assert (await held).status_code == 200
+
+
 async def test_directory_adds_and_removes_engines(prefill, decode, decode_b):
     directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode),
                                info("decode-1", decode_b)])
@@ -72,14 +84,7 @@ async def test_directory_adds_and_removes_engines(prefill, decode, decode_b):
         await wait_until(lambda: [e.name for e in pool.decode] == ["decode-0", "decode-1"]
                          and all(e.healthy for e in pool.decode), "decode-1 joins, healthy")
         # decode-0 busy with a held stream: the next request goes to decode-1.
-        decode.decode_gate = asyncio.Event()
-        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode.wait_for_requests(1)
-        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
-        assert r.status_code == 200 and len(decode_b.decode_requests) == 1
-        decode.decode_gate.set()
-        assert (await held).status_code == 200
+        await next_goes_past_a_held_stream(c, proxy.url, decode, decode_b)
 
         directory.infos = directory.infos[:2]  # decode-1 left the cluster
         await wait_until(lambda: [e.name for e in pool.decode] == ["decode-0"], "decode-1 left")
@@ -338,14 +343,7 @@ async def test_a_failed_scale_down_is_a_502_and_the_engine_serves_again(
             "message": "removing decode-1 failed; they serve again (the proxy's log says why)",
             "type": "upstream_error", "param": None, "code": 502}
         assert not pool.get("decode-1").draining
-        decode.decode_gate = asyncio.Event()  # decode-0 busy: decode-1 takes the next
-        held = asyncio.create_task(c.post(proxy.url + "/v1/completions",
-                                          json=dict(BODY, stream=True), timeout=30))
-        await decode.wait_for_requests(1)
-        r = await c.post(proxy.url + "/v1/completions", json=BODY, timeout=30)
-        assert r.status_code == 200 and len(decode_b.decode_requests) == 1
-        decode.decode_gate.set()
-        assert (await held).status_code == 200
+        await next_goes_past_a_held_stream(c, proxy.url, decode, decode_b)
 
 
 @pytest.mark.parametrize("body,status", [

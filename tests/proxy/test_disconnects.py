@@ -42,18 +42,26 @@ async def assert_slot_released(lp: LiveProxy) -> None:
                      f"no routing load left: {lp.outstanding_tokens()}")
 
 
+async def hang_up_while_waiting(lp: LiveProxy, body: dict, engine: FakeEngine,
+                               aborted: asyncio.Event) -> None:
+    """The client hangs up once ``engine`` has its request (and holds it); the engine's
+    request is aborted within ``NOTICE_S``."""
+    raw = await RawRequest.send(lp, CHAT_PATH, body)
+    async with asyncio.timeout(SETTLE_S):
+        await engine.wait_for_requests(1)
+    await raw.hang_up()
+    async with asyncio.timeout(NOTICE_S):
+        await aborted.wait()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_hang_up_during_prefill_aborts_it_and_never_calls_decode(
     prefill: FakeEngine, decode: FakeEngine, stream: bool
 ) -> None:
     prefill.prefill_gate = asyncio.Event()  # never set: prefill hangs until the proxy leaves
     async with live_proxy(proxy_config(prefill, decode)) as lp:
-        raw = await RawRequest.send(lp, CHAT_PATH, chat_body(stream=stream))
-        async with asyncio.timeout(SETTLE_S):
-            await prefill.wait_for_requests(1)
-        await raw.hang_up()
-        async with asyncio.timeout(NOTICE_S):
-            await prefill.prefill_aborted.wait()
+        await hang_up_while_waiting(lp, chat_body(stream=stream), prefill,
+                                    prefill.prefill_aborted)
         await lp.wait_for_metric("pd_client_disconnects_total", 1, stage="before_response")
         await assert_slot_released(lp)
         assert disconnects(lp) == {"before_response": 1, "after_prefill": 0, "streaming": 0}
@@ -70,12 +78,8 @@ async def test_hang_up_before_a_whole_reply_answers_reads_no_hand_off_again(
     hand-off it had not scheduled yet), and nothing else is sent."""
     decode.decode_gate = asyncio.Event()
     async with live_proxy(proxy_config(prefill, decode)) as lp:
-        raw = await RawRequest.send(lp, CHAT_PATH, chat_body(max_completion_tokens=64))
-        async with asyncio.timeout(SETTLE_S):
-            await decode.wait_for_requests(1)
-        await raw.hang_up()
-        async with asyncio.timeout(NOTICE_S):
-            await decode.decode_aborted.wait()
+        await hang_up_while_waiting(lp, chat_body(max_completion_tokens=64), decode,
+                                    decode.decode_aborted)
         await lp.wait_for_metric("pd_client_disconnects_total", 1, stage="after_prefill")
         await assert_slot_released(lp)
         await asyncio.sleep(0.2)
