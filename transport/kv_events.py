@@ -114,12 +114,14 @@ def _event(ev: dict) -> KVEvent | None:
     tier = medium or DEVICE_TIER
     if kind == "BlockStored":
         block_size = ev["block_size"]
-        if type(block_size) is not int or block_size <= 0:
+        token_ids = tuple(msgspec.convert(ev["token_ids"], _TOKEN_IDS, strict=True))
+        # (An offload tier's store of a block it has no metadata for: no tokens, size 0.)
+        if type(block_size) is not int or block_size < 0 or (token_ids and not block_size):
             raise ValueError(f"block_size {block_size!r} is not a positive integer")
         stored = BlocksStored(
             block_hashes=_hashes(ev["block_hashes"]),
             parent_hash=_hashable(ev.get("parent_block_hash")),
-            token_ids=tuple(msgspec.convert(ev["token_ids"], _TOKEN_IDS, strict=True)),
+            token_ids=token_ids,
             block_size=block_size,
             tier=tier,
             extra_keys=_extra(ev),

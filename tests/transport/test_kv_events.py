@@ -69,7 +69,8 @@ MALFORMED_EVENTS = {
     "token ids not ints": _stored_map(token_ids=["a", 2, 3, 4]),
     "token ids bools": _stored_map(token_ids=[True, 2, 3, 4]),
     "block size a string": _stored_map(block_size="x"),
-    "block size zero": _stored_map(block_size=0),
+    "block size zero with tokens": _stored_map(block_size=0),
+    "block size negative": _stored_map(block_size=-4, token_ids=[]),
     "hashes not a list": _stored_map(block_hashes=7),
     "a map as a hash": _stored_map(block_hashes=[{"h": 1}]),
     "a map as the parent": _stored_map(parent_block_hash={"h": 1}),
@@ -87,6 +88,17 @@ def test_a_malformed_event_refuses_its_batch(bad: dict) -> None:
     and for the whole batch: the good event beside it is not applied alone."""
     with pytest.raises(EventFormatError, match="malformed KV event 1"):
         decode_batch(msgspec.msgpack.encode([1.0, [_stored_map(), bad]]))
+
+
+def test_an_offload_tiers_store_without_tokens_is_read():
+    """vLLM's OffloadingConnector publishes a block it has no metadata for with no token ids
+    and block size 0 (``offloading/events.py``, ``_placeholder_stored``): matched by hash."""
+    from vllm.distributed.kv_events import BlockStored
+
+    (stored,) = decode_batch(vllm_payload([BlockStored(
+        block_hashes=[b"h1"], parent_block_hash=None, token_ids=[], block_size=0,
+        lora_id=None, medium="CPU", lora_name=None)]))
+    assert stored == BlocksStored((b"h1",), None, (), 0, "CPU")
 
 
 def test_engine_config():
