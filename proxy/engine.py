@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -89,14 +88,14 @@ class Engine:
 
     def update_load(self, metrics_text: str) -> int:
         """Take in a look at the engine's metrics; the KV pulls that failed since the last
-        look (the first look is the baseline). A figure read as NaN or infinite (an engine's
-        bug, a torn page) tells nothing: what it would update keeps the last look's value."""
+        look (the first look is the baseline). A figure the page gave no finite value for
+        (None: ``transport/engine_metrics.py``) keeps the last look's."""
         load = engine_load(metrics_text)
-        if _finite(load.requests_running, load.requests_waiting):
-            self.engine_requests = load.requests
-            self._foreign = max(0, self.engine_requests - self.inflight)
-        totals = (load.prompt_tokens, load.requests_finished)
-        if _finite(*totals):
+        if (requests := load.requests) is not None:
+            self.engine_requests = requests
+            self._foreign = max(0, requests - self.inflight)
+        if load.prompt_tokens is not None and load.requests_finished is not None:
+            totals = (load.prompt_tokens, load.requests_finished)
             if self._totals is not None:
                 d_tokens, d_requests = totals[0] - self._totals[0], totals[1] - self._totals[1]
                 if d_requests > 0 and d_tokens >= 0:
@@ -104,8 +103,8 @@ class Engine:
                     self.mean_prompt_tokens = mean if self.mean_prompt_tokens is None else (
                         0.7 * self.mean_prompt_tokens + 0.3 * mean)
             self._totals = totals
-        nixl = (load.nixl_bytes, load.nixl_seconds)
-        if _finite(*nixl):
+        if load.nixl_bytes is not None and load.nixl_seconds is not None:
+            nixl = (load.nixl_bytes, load.nixl_seconds)
             if self._nixl is not None:
                 d_bytes, d_s = nixl[0] - self._nixl[0], nixl[1] - self._nixl[1]
                 if d_bytes > 0 and d_s > 0:
@@ -113,9 +112,9 @@ class Engine:
                     self.nixl_bytes_per_s = rate if self.nixl_bytes_per_s is None else (
                         0.5 * self.nixl_bytes_per_s + 0.5 * rate)
             self._nixl = nixl
-        if _finite(load.nixl_transfers):
+        if load.nixl_transfers is not None:
             self.nixl_transfers = int(load.nixl_transfers)
-        if not _finite(load.nixl_failed):
+        if load.nixl_failed is None:
             return 0
         failed = 0 if self._nixl_failed is None else max(0, int(load.nixl_failed
                                                                 - self._nixl_failed))
@@ -159,10 +158,6 @@ class Engine:
         for task in self._waiting - self._given_up:
             self._given_up.add(task)
             task.cancel()
-
-
-def _finite(*values: float) -> bool:
-    return all(math.isfinite(v) for v in values)
 
 
 class EngineLost(Exception):

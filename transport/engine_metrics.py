@@ -4,11 +4,14 @@
 over its labels, by sample name (``vllm:prompt_tokens_total``, ``vllm:nixl_xfer_time_seconds_sum``
 ...). :func:`engine_load` reads the few series the proxy routes by into a frozen
 :class:`EngineLoad`; it parses only their lines (the proxy reads every engine every second, on
-its event loop, and a whole vLLM page is tens of kilobytes of histograms).
+its event loop, and a whole vLLM page is tens of kilobytes of histograms). A series absent
+from the page reads 0; one read as NaN or infinite (an engine's bug, a torn page) reads None:
+it tells nothing, and the reader keeps what it knew.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,21 +32,24 @@ _LOAD_SERIES = (RUNNING, WAITING, PROMPT_TOKENS, FINISHED, NIXL_BYTES, NIXL_SECO
 @dataclass(frozen=True)
 class EngineLoad:
     """What one look at an engine's metrics says about its load (every series summed over its
-    labels; counters are totals since the engine started)."""
+    labels; counters are totals since the engine started). None: the page gave no finite
+    figure for it."""
 
-    requests_running: float = 0.0
-    requests_waiting: float = 0.0
-    prompt_tokens: float = 0.0
-    requests_finished: float = 0.0
+    requests_running: float | None = 0.0
+    requests_waiting: float | None = 0.0
+    prompt_tokens: float | None = 0.0
+    requests_finished: float | None = 0.0
     #: NIXL's own view of the KV this (decode) engine pulled: bytes, wire seconds, transfers.
-    nixl_bytes: float = 0.0
-    nixl_seconds: float = 0.0
-    nixl_transfers: float = 0.0
-    nixl_failed: float = 0.0
+    nixl_bytes: float | None = 0.0
+    nixl_seconds: float | None = 0.0
+    nixl_transfers: float | None = 0.0
+    nixl_failed: float | None = 0.0
 
     @property
-    def requests(self) -> int:
-        """Running + waiting."""
+    def requests(self) -> int | None:
+        """Running + waiting (None when either is unknown)."""
+        if self.requests_running is None or self.requests_waiting is None:
+            return None
         return int(self.requests_running + self.requests_waiting)
 
 
@@ -59,8 +65,13 @@ def sample_sums(text: str) -> dict[str, float]:
 def engine_load(text: str) -> EngineLoad:
     lines = "\n".join(line for line in text.splitlines() if line.startswith(_LOAD_SERIES))
     sums = sample_sums(lines + "\n") if lines else {}
+
+    def read(name: str) -> float | None:
+        value = sums.get(name, 0.0)
+        return value if math.isfinite(value) else None
+
     return EngineLoad(
-        requests_running=sums.get(RUNNING, 0.0), requests_waiting=sums.get(WAITING, 0.0),
-        prompt_tokens=sums.get(PROMPT_TOKENS, 0.0), requests_finished=sums.get(FINISHED, 0.0),
-        nixl_bytes=sums.get(NIXL_BYTES, 0.0), nixl_seconds=sums.get(NIXL_SECONDS, 0.0),
-        nixl_transfers=sums.get(NIXL_TRANSFERS, 0.0), nixl_failed=sums.get(NIXL_FAILED, 0.0))
+        requests_running=read(RUNNING), requests_waiting=read(WAITING),
+        prompt_tokens=read(PROMPT_TOKENS), requests_finished=read(FINISHED),
+        nixl_bytes=read(NIXL_BYTES), nixl_seconds=read(NIXL_SECONDS),
+        nixl_transfers=read(NIXL_TRANSFERS), nixl_failed=read(NIXL_FAILED))
