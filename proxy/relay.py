@@ -23,6 +23,18 @@ from proxy.errors import DecodeLost, DecodeStalled, ProxyError, RequestDeadline
 _DONE = b"data: [DONE]"
 
 
+def tokens_in(chunk: bytes) -> int:
+    """The token events that end in ``chunk`` of a vLLM stream: its events end in a blank line
+    (a JSON string holds no raw newline, so the generated text cannot fake one), less those
+    that carry no token: a chat stream's opening ``role`` event, the closing usage event (no
+    choices) and ``[DONE]``. They were counted as tokens once, so a ``[DONE]`` read on its own
+    taught the step model a step of a few microseconds. (An event split across two reads is
+    counted in the read that ends it; the markers are keys, which the text cannot fake either.)
+    """
+    return max(0, chunk.count(b"\n\n") - chunk.count(b'"role":') - chunk.count(b'"choices":[]')
+               - chunk.count(b"[DONE]\n\n"))
+
+
 async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, pool
                 ) -> AsyncIterator[bytes | ProxyError]:
     """``deadline``: when the whole request must be over (``loop.time()``)."""
@@ -44,7 +56,7 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
             else:
                 yield chunk
             tail = (tail + chunk)[-32:]
-            leg.frames(time.perf_counter(), chunk.count(b"data: "))
+            leg.frames(time.perf_counter(), tokens_in(chunk))
         if _DONE not in tail:
             raise EngineUnreachable("decode stream ended without [DONE]")
     except TimeoutError:  # the request's own deadline (the engine's silence is EngineTimeout)

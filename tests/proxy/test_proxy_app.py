@@ -673,8 +673,11 @@ async def test_dashboard_series_exist_from_the_start_and_pairs_are_measured(
         prompt = prefill.prefill_requests[0]
         moved = await metric(client, "pd_kv_moved_bytes_total", **pair)
         assert moved > 0 and moved % 1000 == 0, (moved, prompt)
-        frames = resp.content.count(b"data: ")
-        assert await metric(client, "pd_itl_seconds_count", route="disaggregated") >= frames - 2
+        tokens = resp.content.count(b"data: ") - 2  # less the role event and [DONE]
+        # A gap per chunk after the first token's (fewer when chunks coalesce); the role event
+        # and [DONE] are no tokens and make no gap (they made two once).
+        gaps = await metric(client, "pd_itl_seconds_count", route="disaggregated")
+        assert 1 <= gaps <= tokens - 1, (gaps, tokens)
 
 
 async def test_traces_are_off_unless_an_endpoint_is_set(prefill: FakeEngine,
