@@ -192,6 +192,10 @@ def run_dev(opts: DevOptions) -> int:
         ("decode engine", opts.engine_base_port + 1),
         ("prefill NIXL side channel", opts.side_channel_base_port),
         ("decode NIXL side channel", opts.side_channel_base_port + 1),
+        # (With --link-mbit the prefill engine's publisher binds in its namespace, where the
+        # free-port check cannot look: a clash is refused here all the same.)
+        ("prefill KV events", opts.kv_events_base_port),
+        ("decode KV events", opts.kv_events_base_port + 1),
         *([("prometheus", opts.observability.prometheus_port)]
           if opts.observability.prometheus else []),
     ]

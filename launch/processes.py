@@ -58,7 +58,8 @@ def check_port_plan(ports: Sequence[tuple[str, int]]) -> None:
     if shared:
         raise ValueError("port(s) given twice: " + ", ".join(shared) + ". Pick ports apart "
                          "(--port, --engine-base-port: prefill engine on it, decode on the "
-                         "next; --side-channel-base-port; --prometheus-port).")
+                         "next; --side-channel-base-port; --kv-events-base-port; "
+                         "--prometheus-port).")
 
 
 def check_ports_free(ports: Sequence[tuple[str, int]], host: str = "127.0.0.1") -> None:

@@ -148,6 +148,9 @@ def test_cpu_engines_default_to_float32_even_with_amx():
     (["--engine-base-port", "65535"], "out of range 1-65535"),  # the decode engine on 65536
     (["--port", "29101"], "29101 (proxy and decode engine)"),
     (["--engine-base-port", "29199"], "29200 (decode engine and prefill NIXL side channel)"),
+    (["--kv-events-base-port", "29301"], "29301 (proxy and prefill KV events)"),
+    (["--link-mbit", "100", "--kv-events-base-port", "29199"],
+     "29200 (prefill NIXL side channel and decode KV events)"),
     (["--headers-deadline-s", "700"], "total_deadline_s must be >= headers_deadline_s"),
     (["--model", "someorg/somemodel"], "not a local model directory"),
     (["--observability", "--prometheus-port", "29399"], "no prometheus binary"),
