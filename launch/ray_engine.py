@@ -299,13 +299,19 @@ def engine_host_class(max_restarts: int = -1):
     return ray.remote(max_restarts=max_restarts, max_task_retries=0)(EngineHost)
 
 
+def died_for_good(exc: Any, in_a_row: int) -> bool:
+    """Whether an actor's ``ActorDiedError`` (the ``in_a_row``-th for its calls) means it will
+    never come back. An actor whose constructor raised is never restarted by Ray (whatever
+    ``max_restarts``): its death is final at once. Any other death answers a call in flight
+    once while Ray restarts the actor (later calls wait for it); a second in a row means no
+    restart."""
+    return bool(exc.actor_init_failed) or in_a_row > 1
+
+
 def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
     """Block until every actor's engine answers /health; raise RuntimeError when one failed to
-    start, its actor is dead for good, or time runs out, naming it and its log or cause.
-
-    An actor whose constructor raised is never restarted by Ray (whatever ``max_restarts``):
-    its death is final at once. Any other death answers a call in flight once while Ray
-    restarts the actor (later calls wait for it); a second in a row means no restart."""
+    start, its actor is dead for good (:func:`died_for_good`), or time runs out, naming it
+    and its log or cause."""
     import ray
     from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
@@ -319,7 +325,7 @@ def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None)
                 deaths.pop(name, None)
             except ActorDiedError as exc:
                 deaths[name] = deaths.get(name, 0) + 1
-                if exc.actor_init_failed or deaths[name] > 1:
+                if died_for_good(exc, deaths[name]):
                     raise RuntimeError(f"engine actor {name} died: {exc}") from exc
                 log.info("%s died; waiting for Ray to restart it: %s", name, exc)
             except (RayActorError, GetTimeoutError) as exc:  # placing, starting or restarting
