@@ -71,6 +71,9 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
                    help="restarts of a dead engine's actor (-1: always)")
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
                    help="engine logs, on each engine's node (default: /tmp/pdserve-<uid>/logs)")
+    p.add_argument("--hang-timeout-s", type=float, default=EngineTemplate.hang_timeout_s,
+                   help="a ready engine whose /health goes unanswered this long (alive but "
+                        "hung) is killed, and Ray restarts its actor (0: never)")
     p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
     _add_observability(p)
     _add_settings(p)
@@ -124,12 +127,14 @@ def _run_ray(args: argparse.Namespace) -> int:
 
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("need --decode >= 1 and --prefill >= 0")
+    if args.hang_timeout_s < 0:
+        raise ValueError("need --hang-timeout-s >= 0 (0: never)")
     engines, proxy = _settings(args)
     path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
     template = EngineTemplate(
         model=args.model if args.model in ("tiny", "smollm2") else str(path),
         served_model_name=args.served_model_name or _model_name(args.model),
-        log_dir=args.log_dir, engines=engines,
+        log_dir=args.log_dir, engines=engines, hang_timeout_s=args.hang_timeout_s,
     )
     return run_ray(RayOptions(
         template=template, model_path=str(path), prefill=args.prefill, decode=args.decode,

@@ -141,9 +141,9 @@ class EngineProcess:
                 return text[-300:]
         return lines[-1][-160:] if lines else ""
 
-    def healthy(self) -> bool:
+    def healthy(self, timeout_s: float = 1.0) -> bool:
         try:
-            with urllib.request.urlopen(self.spec.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self.spec.url + "/health", timeout=timeout_s) as r:
                 return r.status == 200
         except OSError:
             return False

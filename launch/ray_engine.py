@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launch.engine_hang import HangDetector
 from launch.engines import (
     EngineSpec,
     default_dtype,
@@ -41,6 +42,8 @@ from transport.kv_size import kv_bytes_per_token_for_model
 log = logging.getLogger(__name__)
 
 PORT_RANGE = (21000, 29000)
+#: How often the watchdog looks at its engine.
+WATCH_TICK_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class EngineTemplate:
     bind_host: str | None = None
     #: The deployment's secret (``launch/engine_guard.py``), set by ``pdserve ray``.
     api_key: str | None = field(default=None, repr=False)
+    #: A ready engine whose /health goes unanswered this long (``launch/engine_hang.py``) is
+    #: killed, so Ray restarts its actor; 0: never.
+    hang_timeout_s: float = 60.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -238,26 +244,28 @@ class EngineHost:
                                                 die_with_parent=True, own_session=True)
         self._stopping = threading.Event()
         self.failed: str | None = None
+        self._hang = HangDetector(t.hang_timeout_s) if t.hang_timeout_s > 0 else None
+        self._hang_checked_s = 0.0
         threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         """End the actor when a working engine dies, so Ray restarts both. An engine that dies
         before it ever became ready is a configuration or resource error a restart would only
-        repeat: it is reported (``info()["failed"]``) instead."""
+        repeat: it is reported (``info()["failed"]``) instead. A ready engine found hung is
+        killed, and so ends the same way as one that died."""
         ready = False
         checked = 0.0
-        while not self._stopping.wait(0.25):
+        while not self._stopping.wait(WATCH_TICK_S):
             if not ready:
                 ready = self.proc.healthy()
+            elif self._hang is not None:
+                self._check_hang()
             if ready and time.monotonic() - checked > 10.0:  # threads that moved themselves
                 checked = time.monotonic()
                 guard([(self.name, self.proc.popen.pid, self.spec.cpu_cores)], log.warning)
             if self.proc.popen.poll() is None:
                 continue
-            try:  # whatever the server left behind (its engine-core and worker children)
-                os.killpg(self.proc.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._kill_engine()  # whatever the server left behind (engine core, workers)
             if not ready:
                 self.failed = (f"engine exited with {self.proc.popen.returncode} before it was "
                                f"ready: {self.proc.root_cause()!r} (log: {self.proc.log_path})")
@@ -266,6 +274,25 @@ class EngineHost:
             log.error("%s: engine exited with %s; exiting so Ray restarts this actor",
                       self.name, self.proc.popen.returncode)
             os._exit(1)
+
+    def _check_hang(self) -> None:
+        """Check the ready engine's /health when one is due; kill the engine once it is hung."""
+        hang, now = self._hang, time.monotonic()
+        assert hang is not None
+        if now - self._hang_checked_s < hang.interval_s:
+            return
+        self._hang_checked_s = now
+        if hang.observe(self.proc.healthy(hang.check_timeout_s), now):
+            log.error("%s: engine alive (pid %d) but its /health unanswered for %.0f s (%d "
+                      "checks in a row): killing it so Ray restarts this actor", self.name,
+                      self.proc.popen.pid, now - hang.first_failure_s, hang.failures)
+            self._kill_engine()
+
+    def _kill_engine(self) -> None:
+        try:
+            os.killpg(self.proc.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def info(self) -> dict[str, Any]:
         healthy = self.failed is None and self.proc.healthy()
@@ -299,13 +326,19 @@ def engine_host_class(max_restarts: int = -1):
     return ray.remote(max_restarts=max_restarts, max_task_retries=0)(EngineHost)
 
 
+def died_for_good(exc: Any, in_a_row: int) -> bool:
+    """Whether an actor's ``ActorDiedError`` (the ``in_a_row``-th for its calls) means it will
+    never come back. An actor whose constructor raised is never restarted by Ray (whatever
+    ``max_restarts``): its death is final at once. Any other death answers a call in flight
+    once while Ray restarts the actor (later calls wait for it); a second in a row means no
+    restart."""
+    return bool(exc.actor_init_failed) or in_a_row > 1
+
+
 def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None) -> list[dict]:
     """Block until every actor's engine answers /health; raise RuntimeError when one failed to
-    start, its actor is dead for good, or time runs out, naming it and its log or cause.
-
-    An actor whose constructor raised is never restarted by Ray (whatever ``max_restarts``):
-    its death is final at once. Any other death answers a call in flight once while Ray
-    restarts the actor (later calls wait for it); a second in a row means no restart."""
+    start, its actor is dead for good (:func:`died_for_good`), or time runs out, naming it
+    and its log or cause."""
     import ray
     from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
@@ -319,7 +352,7 @@ def wait_engines_ready(handles: dict[str, Any], timeout_s: float, progress=None)
                 deaths.pop(name, None)
             except ActorDiedError as exc:
                 deaths[name] = deaths.get(name, 0) + 1
-                if exc.actor_init_failed or deaths[name] > 1:
+                if died_for_good(exc, deaths[name]):
                     raise RuntimeError(f"engine actor {name} died: {exc}") from exc
                 log.info("%s died; waiting for Ray to restart it: %s", name, exc)
             except (RayActorError, GetTimeoutError) as exc:  # placing, starting or restarting

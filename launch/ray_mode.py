@@ -32,7 +32,13 @@ from launch.isolation import parse_cores, sharing
 from launch.observability.setup import ObservabilityOptions, Observer
 from launch.observability.targets import ObservedDirectory
 from launch.processes import reporting_shutdown
-from launch.ray_engine import EngineTemplate, engine_host_class, wait_engines_ready
+from launch.ray_engine import (
+    EngineTemplate,
+    died_for_good,
+    engine_host_class,
+    wait_engines_ready,
+)
+from launch.replica_plan import CrashLoopRule, Replica, Strikes, plan_replicas
 from launch.settings import EngineSettings, ProxySettings
 from launch.shutdown import run_server
 from proxy.policy_mode import parse_policy
@@ -133,11 +139,21 @@ def resolve_accelerator(requested: str, cluster_resources: dict[str, float]) -> 
     return "gpu" if cluster_resources.get("GPU", 0) > 0 else "cpu"
 
 
+def _role_of(name: str) -> str:
+    return name.rsplit("-", 1)[0]
+
+
+def _ordinal(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
+
+
 class RayScaler:
-    """Creates and stops the deployment's engine actors (names ``prefill-N``/``decode-N``)."""
+    """Creates and stops the deployment's engine actors (names ``prefill-N``/``decode-N``, N
+    never reused), and replaces those dead for good (:meth:`reconcile`)."""
 
     def __init__(self, namespace: str, template: EngineTemplate, accelerator: str,
-                 max_restarts: int, placement: Mapping[str, tuple[str, ...]] | None = None):
+                 max_restarts: int, placement: Mapping[str, tuple[str, ...]] | None = None,
+                 crash_loop: CrashLoopRule = CrashLoopRule()):
         self._namespace = namespace
         self._template = template.to_dict()
         self._accelerator = accelerator
@@ -146,6 +162,10 @@ class RayScaler:
         self.handles: dict[str, Any] = {}
         self._resource: dict[str, str | None] = {}  # the placement resource each asked for
         self._next = {"prefill": 0, "decode": 0}
+        self._crash_loop = crash_loop
+        self._strikes: dict[str, Strikes] = {}
+        self._unproven: set[str] = set()  # replacements not yet seen ready
+        self._deaths: dict[str, int] = {}  # ActorDiedErrors in a row
 
     def create(self, role: str, count: int) -> list[str]:
         names = []
@@ -153,7 +173,7 @@ class RayScaler:
             name = f"{role}-{self._next[role]}"
             self._next[role] += 1
             resource = placement_resource(self._placement, role, [
-                self._resource.get(n) for n in self.handles if n.startswith(role + "-")])
+                self._resource.get(n) for n in self.handles if _role_of(n) == role])
             self.handles[name] = self._cls.options(
                 name=name, namespace=self._namespace,
                 **actor_resources(self._accelerator, resource)
@@ -163,32 +183,70 @@ class RayScaler:
         return names
 
     async def replicas(self, role: str) -> list[str]:
-        """The role's engines, oldest first; those dead for good (their actor died, or their
-        engine failed before it was ever ready) are stopped first and left out."""
-        names = [n for n in self.handles if n.startswith(role + "-")]
-        alive = await asyncio.gather(*(self._maybe_alive(n) for n in names))
-        dead = [n for n, ok in zip(names, alive, strict=True) if not ok]
-        await self.remove(dead)
-        return sorted((n for n in names if n not in dead), key=lambda n: int(n.rsplit("-", 1)[1]))
+        """The role's engines, oldest first; those dead for good are stopped first (logged
+        with their cause) and left out."""
+        await self._settle({})
+        return sorted((n for n in self.handles if _role_of(n) == role), key=_ordinal)
 
-    async def _maybe_alive(self, name: str) -> bool:
-        """False when the engine will never serve; True when it does or may (restarting,
-        slow to answer)."""
+    async def reconcile(self, declared: Mapping[str, int]) -> dict[str, list[str]]:
+        """Stop the engines dead for good and start fresh ones (new names, same role, the
+        placement resource the role uses least) for each role short of ``declared``, within
+        the crash-loop rule (``launch/replica_plan.py``); return the engines started, by
+        role."""
+        return await self._settle(declared)
+
+    async def _settle(self, declared: Mapping[str, int]) -> dict[str, list[str]]:
+        names = list(self.handles)
+        replicas = await asyncio.gather(*(self._replica(n) for n in names))
+        plan = plan_replicas(declared, replicas, self._strikes, time.monotonic(),
+                             self._crash_loop)
+        self._strikes = dict(plan.strikes)
+        self._unproven -= {r.name for r in replicas if r.state == "ready"}
+        for r in replicas:
+            if r.state == "dead":
+                log.error("%s is dead for good, stopping it: %s%s", r.name, r.cause,
+                          f" (a replacement never ready: {r.role} strike "
+                          f"{plan.strikes[r.role].count} of {self._crash_loop.max_strikes})"
+                          if r.replacement else "")
+        for role in plan.gave_up:
+            log.error("%s: %d replacement engines in a row died before they were ever ready: "
+                      "no more are started, %d %s engines left (their causes above; a scale "
+                      "order, pdserve scale %s N, tries again)", role, plan.strikes[role].count,
+                      sum(r.role == role and r.state != "dead" for r in replicas), role, role)
+        await self.remove(plan.stop)
+        started = {role: self.create(role, count) for role, count in plan.start.items()}
+        for role, new in started.items():
+            self._unproven.update(new)
+            log.warning("%s: started %s to keep %d engines", role, ", ".join(new),
+                        declared[role])
+        return started
+
+    async def _replica(self, name: str) -> Replica:
+        """The engine's state: dead when it will never serve (its actor died for good, or its
+        engine failed before it was ever ready); starting while it may (restarting, slow to
+        answer)."""
         from ray.exceptions import ActorDiedError
 
+        role, unproven = _role_of(name), name in self._unproven
         try:
             info = await asyncio.wait_for(self.handles[name].info.remote(), INFO_TIMEOUT_S)
         except ActorDiedError as exc:
-            log.warning("%s is dead: %s", name, exc)
-            return False
+            self._deaths[name] = self._deaths.get(name, 0) + 1
+            if died_for_good(exc, self._deaths[name]):
+                return Replica(name, role, "dead", unproven, f"its actor died: {exc}")
+            log.info("%s died; Ray may be restarting it: %s", name, exc)
+            return Replica(name, role, "starting", unproven)
         except Exception as exc:  # noqa: BLE001 - restarting or unreachable: may come back
             log.debug("no info from %s: %s", name, exc)
-            return True
+            return Replica(name, role, "starting", unproven)
+        self._deaths.pop(name, None)
         if info["failed"]:
-            log.warning("%s failed: %s", name, info["failed"])
-        return not info["failed"]
+            return Replica(name, role, "dead", unproven, info["failed"])
+        return Replica(name, role, "ready" if info.get("healthy") else "starting", unproven)
 
     async def add(self, role: str, count: int) -> list[str]:
+        """An operator's order: also clears the role's crash-loop strikes (replacing again)."""
+        self._strikes.pop(role, None)
         return self.create(role, count)
 
     async def remove(self, names: Sequence[str]) -> None:
@@ -199,6 +257,8 @@ class RayScaler:
 
         handle = self.handles.pop(name, None)
         self._resource.pop(name, None)
+        self._unproven.discard(name)
+        self._deaths.pop(name, None)
         if handle is None:
             return
         try:
@@ -379,7 +439,7 @@ def run_ray(opts: RayOptions) -> int:
         kvb = deployment_kv_bytes_per_token(infos, opts.proxy.policy, opts.template.model)
         # Ordinal order: the proxy names configured engines <role>-<index>, like the actors.
         by_role = {r: sorted((i for i in infos if i["role"] == r),
-                             key=lambda i: int(i["name"].rsplit("-", 1)[1]))
+                             key=lambda i: _ordinal(i["name"]))
                    for r in ("prefill", "decode")}
         config = opts.proxy.config(
             prefill_urls=tuple(i["url"] for i in by_role["prefill"]),

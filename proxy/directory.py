@@ -6,7 +6,7 @@ implements both over Ray actors; the proxy itself never imports Ray.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from proxy.pool import EndpointInfo, Role
@@ -31,4 +31,10 @@ class Scaler(Protocol):
 
     async def remove(self, names: Sequence[str]) -> None:
         """Stop these engines (the proxy has drained them)."""
+        ...
+
+    async def reconcile(self, declared: Mapping[str, int]) -> Mapping[str, Sequence[str]]:
+        """Keep each role at its ``declared`` count: stop the engines dead for good and start
+        fresh ones in their place (a crash loop is given up on, and says so in the log);
+        return the engines started, by role. Called periodically, never during a scale."""
         ...

@@ -106,6 +106,11 @@ class ProxyMetrics:
             "pd_engine_up", "1 when the engine answers its health check.",
             ["role", "engine"], registry=r,
         )
+        self.engine_replacements_total = Counter(
+            "pd_engine_replacements_total", "Engines started in place of engines dead for good"
+            " (Ray mode: restarts exhausted, or a restart that never became ready).",
+            ["role"], registry=r,
+        )
         self.itl_seconds = Histogram(
             "pd_itl_seconds", "Time between the relayed events of a stream, per token, by route"
             " (the inter-token latency the client sees).",
@@ -134,7 +139,8 @@ class ProxyMetrics:
                                 (self.migrations_total, MIGRATION_REASONS),
                                 (self.migrations_failed_total, MIGRATION_FAILURE_REASONS),
                                 (self.rejected_total, REJECTION_TYPES),
-                                (self.client_disconnects_total, DISCONNECT_STAGES)):
+                                (self.client_disconnects_total, DISCONNECT_STAGES),
+                                (self.engine_replacements_total, ("prefill", "decode"))):
             for label in labels:
                 counter.labels(label)
         for stage in MIGRATION_STAGES:  # a dashboard reads "no migration", not "no data"

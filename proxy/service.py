@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Discovery rounds (a second each) between two checks for engines dead for good.
+RECONCILE_EVERY = 5
+
 
 class ProxyService:
     def __init__(self, config: ProxyConfig, directory: Directory | None, scaler: Scaler | None,
@@ -78,6 +81,8 @@ class ProxyService:
         self._feeds: dict[Engine, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._scale_lock = asyncio.Lock()
+        #: Engines per role the deployment keeps (Ray mode: its start, then each scale order).
+        self.declared = {"prefill": len(config.prefill_urls), "decode": len(config.decode_urls)}
 
     @classmethod
     async def start(cls, config: ProxyConfig, directory: Directory | None = None,
@@ -152,12 +157,30 @@ class ProxyService:
             await asyncio.gather(*(self.pool.probe(e) for e in added))
 
     async def _discovery_loop(self, interval_s: float = 1.0) -> None:
+        rounds = 0
         while True:
             await asyncio.sleep(interval_s)
+            rounds += 1
+            if rounds % RECONCILE_EVERY == 0:
+                await self.keep_declared()
             try:
                 await self.discover()
             except Exception:  # a directory hiccup must not stop discovery
                 log.exception("engine discovery failed; keeping the current pool")
+
+    async def keep_declared(self) -> None:
+        """Have the scaler replace the engines dead for good (skipped while a scale order
+        runs: it settles them itself). A failure is logged; the next round tries again."""
+        if self.scaler is None or self._scale_lock.locked():
+            return
+        try:
+            async with self._scale_lock:
+                started = await self.scaler.reconcile(self.declared)
+        except Exception:
+            log.exception("replacing dead engines failed; trying again next round")
+            return
+        for role, names in started.items():
+            self.metrics.engine_replacements_total.labels(role).inc(len(names))
 
     async def scale(self, role: str, replicas: int, drain_timeout_s: float) -> dict[str, Any]:
         """Grow or shrink ``role`` to ``replicas`` engines; shrinking drains first (nothing in
@@ -183,6 +206,7 @@ class ProxyService:
                     log.exception("scale-down of %s failed", ", ".join(removed))
                     raise UpstreamError(f"removing {', '.join(removed)} failed; they serve "
                                         "again (the proxy's log says why)") from exc
+            self.declared[role] = replicas
             await self.discover()
             return {"role": role, "replicas": replicas, "added": added, "removed": removed,
                     "drained": drained}

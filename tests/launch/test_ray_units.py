@@ -19,6 +19,7 @@ from launch.ray_mode import (
     unplaceable,
 )
 from launch.settings import EngineSettings
+from tests.launch.ray_fakes import FakeActor, FakeActorClass
 
 TEMPLATE = EngineTemplate(model="tiny", served_model_name="pdserve-tiny",
                           engines=EngineSettings(kv_cache_gib=1))
@@ -121,20 +122,14 @@ def test_scale_down_then_up_keeps_one_engine_per_node(monkeypatch):
 
     from launch.ray_mode import RayScaler
 
-    asked: dict[str, dict] = {}
-
-    class Cls:
-        def options(self, name, namespace, **resources):
-            asked[name] = resources.get("resources", {})
-            return type("Remote", (), {"remote": lambda _, *a: _Actor({"failed": None})})()
-
+    cls = FakeActorClass()
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: None)
-    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: Cls())
+    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: cls)
     scaler = RayScaler("pdserve", TEMPLATE, "cpu", -1, {"decode": ("pd_a", "pd_b")})
     scaler.create("decode", 2)
     asyncio.run(scaler.remove(["decode-1"]))
     scaler.create("decode", 1)
-    assert {n: list(asked[n]) for n in scaler.handles} == {
+    assert {n: list(cls.asked[n]) for n in scaler.handles} == {
         "decode-0": ["pd_a"], "decode-2": ["pd_b"]}
 
 
@@ -351,28 +346,6 @@ def test_an_actor_ray_restarts_is_waited_for_and_one_dead_for_good_is_not(monkey
         wait_engines_ready({"decode-0": _Calls(ActorUnavailableError("x", None))}, timeout_s=0)
 
 
-class _Actor:
-    """A fake engine actor: ``info`` answers with ``answer`` (raised when an exception)."""
-
-    def __init__(self, answer):
-        self.answer = answer
-        self.stopped = False
-        self.info = self._Method(self._info)
-        self.stop = self._Method(self._stop)
-
-    class _Method:
-        def __init__(self, fn):
-            self.remote = fn
-
-    async def _info(self):
-        if isinstance(self.answer, BaseException):
-            raise self.answer
-        return self.answer
-
-    async def _stop(self):
-        self.stopped = True
-
-
 def test_the_scaler_neither_counts_nor_keeps_engines_dead_for_good(monkeypatch):
     """decode-0 died for good (its actor, or its engine before ever being ready), decode-2
     is restarting, decode-1 serves: ``pdserve scale decode 1`` must not keep decode-0 and
@@ -392,8 +365,12 @@ def test_the_scaler_neither_counts_nor_keeps_engines_dead_for_good(monkeypatch):
     for role, answers in (("decode", [ActorDiedError(), up, ActorUnavailableError("r", None)]),
                           ("prefill", [{"failed": "engine exited with 1"}, up])):
         for i, answer in enumerate(answers):
-            scaler.handles[f"{role}-{i}"] = _Actor(answer)
-    dead = [scaler.handles["decode-0"], scaler.handles["prefill-0"]]
+            scaler.handles[f"{role}-{i}"] = FakeActor(answer)
+    dead = [scaler.handles["prefill-0"], scaler.handles["decode-0"]]
+    # An actor's first ActorDiedError may be the death Ray restarts it from; a second in a
+    # row is final (``died_for_good``). A failed engine is final at once.
+    assert asyncio.run(scaler.replicas("decode")) == ["decode-0", "decode-1", "decode-2"]
+    assert killed == dead[:1]
     assert asyncio.run(scaler.replicas("decode")) == ["decode-1", "decode-2"]
     assert asyncio.run(scaler.replicas("prefill")) == ["prefill-1"]
     assert killed == dead and all(a.stopped for a in dead)

@@ -50,6 +50,25 @@ class RecordingScaler:
         self.removed += names
         self.directory.infos = [i for i in self.directory.infos if i.name not in names]
 
+    async def reconcile(self, declared):
+        return {}
+
+
+class ReplacingScaler(RecordingScaler):
+    """Its engines named in ``dead`` are dead for good: a reconcile stops them and lists a
+    spare of the same role in each one's place (what ``RayScaler.reconcile`` does on Ray)."""
+
+    def __init__(self, directory: ListDirectory, spares: Sequence[EndpointInfo]):
+        super().__init__(directory, spares)
+        self.dead: set[str] = set()
+        self.declared: list[dict[str, int]] = []
+
+    async def reconcile(self, declared):
+        self.declared.append(dict(declared))
+        gone = [i for i in self.directory.infos if i.name in self.dead]
+        await self.remove([i.name for i in gone])
+        return {i.role: await self.add(i.role, 1) for i in gone}
+
 
 def info(name: str, engine: FakeEngine) -> EndpointInfo:
     return EndpointInfo(name, "decode" if name.startswith("decode") else "prefill", engine.url)
@@ -343,7 +362,31 @@ async def test_a_failed_scale_down_is_a_502_and_the_engine_serves_again(
             "message": "removing decode-1 failed; they serve again (the proxy's log says why)",
             "type": "upstream_error", "param": None, "code": 502}
         assert not pool.get("decode-1").draining
+        assert proxy.state.declared == {"prefill": 1, "decode": 2}  # the last order that held
         await next_goes_past_a_held_stream(c, proxy.url, decode, decode_b)
+
+
+async def test_an_engine_dead_for_good_is_replaced_by_the_discovery_loop(
+        prefill, decode, decode_b, monkeypatch):
+    """Ray mode's reconcile runs in the discovery loop with the declared counts: the dead
+    engine leaves the pool and its series, the one started in its place joins and is
+    counted (``pd_engine_replacements_total``)."""
+    monkeypatch.setattr("proxy.service.RECONCILE_EVERY", 1)
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-0", decode)])
+    scaler = ReplacingScaler(directory, [info("decode-1", decode_b)])
+    async with live_proxy(proxy_config(prefill, decode, health_interval_s=0.05),
+                          directory=directory, scaler=scaler) as proxy:
+        pool = proxy.state.pool
+        assert proxy.metric("pd_engine_replacements_total", role="decode") == 0
+        scaler.dead.add("decode-0")
+        await wait_until(lambda: [e.name for e in pool.decode] == ["decode-1"]
+                         and pool.get("decode-1").healthy, "decode-1 in decode-0's place")
+        assert scaler.declared[-1] == {"prefill": 1, "decode": 1}
+        assert proxy.metric("pd_engine_replacements_total", role="decode") == 1
+        assert proxy.metric("pd_engine_up", role="decode", engine="decode-1") == 1
+        samples = proxy.state.metrics.registry.get_sample_value(
+            "pd_engine_up", {"role": "decode", "engine": "decode-0"})
+        assert samples is None  # its series went with it
 
 
 @pytest.mark.parametrize("body,status", [
