@@ -2,10 +2,13 @@
 then answers; retried on another decode engine when the first cannot be reached.
 
 A :class:`DecodeLeg` holds the request's claim on its decode engine from the plan on and is the
-one place it is released: :meth:`whole` (a reply read in full), :func:`proxy.relay.relay` (a
-stream, when it ends however it ends), or the orchestrator when the request fails before either
-(``claim.release`` is idempotent). Call order: ``open()`` once, then ``whole()`` or the relay;
-``first_byte(now)`` when the client has its first bytes; ``release_blocks()``: see there.
+one place it is released: :func:`proxy.relay.whole_reply` (a reply read in full),
+:func:`proxy.relay.relay` (a stream, when it ends however it ends), or the orchestrator when
+the request fails before either (``claim.release`` is idempotent). Call order: ``open()`` once,
+then the relay (or ``whole_reply``); ``first_byte(now)`` when the client has its first
+bytes; ``release_blocks()``: see there. An engine marked down while the leg waits for its
+answer (its probes unanswered: hung, or cut off) is given up like one unreachable, when
+another decode engine can take the request.
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from prometheus_client import Histogram
 
 from proxy.costs import RouteCosts
 from proxy.deadlines import Deadlines, seconds_left
+from proxy.engine import EngineLost
 from proxy.engine_bodies import decode_body, release_body
 from proxy.engine_client import EngineStream, EngineTimeout, EngineUnreachable
 from proxy.errors import (
-    DecodeLost,
-    DecodeStalled,
     RequestDeadline,
     StageTimeout,
     UpstreamError,
@@ -98,8 +100,9 @@ class DecodeLeg:
             try:
                 headers_s = self._deadlines.decode_headers_s(self.req.stream,
                                                              self.req.deadline)
-                stream = await decode.client.open_stream(
-                    self.req.path, self.body, headers, headers_s, self._deadlines.idle_s)
+                with decode.given_up_when_down(if_replaced=True):  # (marked down: hung)
+                    stream = await decode.client.open_stream(
+                        self.req.path, self.body, headers, headers_s, self._deadlines.idle_s)
                 if stream.status < 400 or (stream.status < 500 and self.handoff is None):
                     break
                 error = from_engine_error(stream.status, await stream.read_and_close())
@@ -113,12 +116,15 @@ class DecodeLeg:
                     raise error
                 if self.handoff is not None:
                     self._recompute_instead("handoff_maybe_read")
-            except EngineUnreachable as exc:
+            except (EngineUnreachable, EngineLost) as exc:
+                # Lost: marked down (its probes unanswered) while it had the request, which it
+                # may read (and its KV) if it ever resumes.
+                delivered = not isinstance(exc, EngineUnreachable) or exc.delivered
                 self._pool.mark_down(decode)
                 if not self._move_on(decode, tried, "unreachable"):
                     raise UpstreamError("the decode engine is unreachable") from None
-                if self.handoff is not None and (exc.delivered or time.time() > self.read_by):
-                    self._recompute_instead("handoff_maybe_read" if exc.delivered
+                if self.handoff is not None and (delivered or time.time() > self.read_by):
+                    self._recompute_instead("handoff_maybe_read" if delivered
                                             else "handoff_expired")
             except EngineTimeout:
                 self._costs.tracker(decode.name).work_dropped(self, time.perf_counter())
@@ -158,32 +164,6 @@ class DecodeLeg:
         self.route = "local"
         self.local_was_idle = self.claim.add_prompt(self.plan.decode_new_tokens)
         self.body = decode_body(self.req.body, None, self.read_by, self.req.kv_limits)
-
-    async def whole(self) -> bytes:
-        """The decode engine's whole (unstreamed) reply; the claim ends with it."""
-        stream = await self.open()
-        assert self.req.deadline is not None  # set by Orchestrator.serve
-        try:
-            async with asyncio.timeout_at(self.req.deadline):
-                data = await stream.read_all()
-        except TimeoutError:
-            raise RequestDeadline("the request did not finish within its deadline") from None
-        except EngineTimeout:
-            raise DecodeStalled("the decode engine stalled while answering",
-                                engine=self.decode.name) from None
-        except Exception as exc:
-            if isinstance(exc, EngineUnreachable):
-                self._pool.mark_down(self.decode)
-            raise DecodeLost("the decode engine failed while answering",
-                             engine=self.decode.name) from None
-        finally:
-            stream.close()
-            self.claim.release()
-            self.ended(time.perf_counter())  # (its pull is over)
-        # A whole reply has no first-token time: only its total is recorded.
-        self._metrics.stage_seconds.labels("total", self.route).observe(
-            time.perf_counter() - self.trace.t_start)
-        return data
 
     def first_byte(self, now: float) -> None:
         """The client has its first bytes: the claim and the step tracker move on now, what they

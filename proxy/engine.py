@@ -63,7 +63,8 @@ class Engine:
     duties: frozenset[str] = frozenset()
     #: Tasks waiting on it for a whole reply (:meth:`given_up_when_down`), and those of them
     #: cancelled because it was marked down.
-    _waiting: set[asyncio.Task] = field(default_factory=set, repr=False)
+    #: Tasks waiting on the engine -> whether another engine must be up to give them up.
+    _waiting: dict[asyncio.Task, bool] = field(default_factory=dict, repr=False)
     _given_up: set[asyncio.Task] = field(default_factory=set, repr=False)
 
     #: The client's name (read on every request's path: a plain attribute).
@@ -131,15 +132,17 @@ class Engine:
         return self._foreign
 
     @contextlib.contextmanager
-    def given_up_when_down(self) -> Iterator[None]:
+    def given_up_when_down(self, if_replaced: bool = False) -> Iterator[None]:
         """Wait on the engine inside this block, and stop waiting when it is marked down: the
         block then raises :class:`EngineLost` (its await cancelled, which closes the request and
         makes the engine abort it if it ever reads again). Without this, a request sent to an
-        engine that went silent (a cut link: nothing answers, nothing refuses) would wait out
-        its whole deadline although the proxy already knows the engine is gone."""
+        engine that went silent (a cut link: nothing answers, nothing refuses; a hung engine)
+        would wait out its deadline although the proxy already knows the engine is gone.
+        ``if_replaced``: only when another engine can take the request over (a decode wait:
+        with none, the engine may only be slow, and given up the request would fail)."""
         task = asyncio.current_task()
         assert task is not None
-        self._waiting.add(task)
+        self._waiting[task] = if_replaced
         try:
             yield
         except asyncio.CancelledError:
@@ -149,15 +152,16 @@ class Engine:
                 raise
             raise EngineLost(f"{self.name} was marked down while it had the request") from None
         finally:
-            self._waiting.discard(task)
+            self._waiting.pop(task, None)
             self._given_up.discard(task)
 
-    def give_up_waiting(self) -> None:
-        """Make every :meth:`given_up_when_down` block waiting on the engine raise EngineLost
-        (it was marked down)."""
-        for task in self._waiting - self._given_up:
-            self._given_up.add(task)
-            task.cancel()
+    def give_up_waiting(self, replaced: bool) -> None:
+        """Make the :meth:`given_up_when_down` blocks waiting on the engine raise EngineLost
+        (it was marked down); ``replaced``: another engine can take over a decode wait."""
+        for task, if_replaced in list(self._waiting.items()):
+            if task not in self._given_up and (replaced or not if_replaced):
+                self._given_up.add(task)
+                task.cancel()
 
 
 class EngineLost(Exception):

@@ -48,7 +48,7 @@ from proxy.plan import Plan, make_plan
 from proxy.policy import PolicyMode, Targets
 from proxy.pool import Engine, EnginePool
 from proxy.prefill_leg import PrefillLeg
-from proxy.relay import relay
+from proxy.relay import relay, whole_reply
 from proxy.requests import ApiRequest
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.tokens import prompt_chars
@@ -204,7 +204,7 @@ class Orchestrator:
                     "prefill", leg.route).observe(trace.t_handoff - trace.t_start))
             try:
                 if not req.stream:
-                    data = await leg.whole()
+                    data = await whole_reply(leg, self.metrics, self.pool)
                     logged.taken(leg.route, trace)
                     return Reply(leg.route, 200, data, leg.headers())
                 stream = await leg.open()

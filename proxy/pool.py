@@ -197,12 +197,14 @@ class EnginePool:
             self.on_up(engine)
 
     def _release(self, engine: Engine) -> None:
-        """What waits on ``engine``, now down, stops waiting: whole replies (prefills) fall
-        back, its streams continue on another decode engine (migration), not after the idle
-        deadline. With no other up, they stay: the engine may be slow, and cut they'd fail."""
-        engine.give_up_waiting()
-        if any(e is not engine and e.healthy and not e.draining and "decode" in e.duties
-               for e in self.all()):
+        """What waits on ``engine``, now down, stops waiting: prefills fall back, its streams
+        continue on another decode engine (migration), not after the idle deadline, and decode
+        requests waiting for its answer go to another. With no other decode engine up, those
+        two stay: the engine may be slow, and cut they'd fail."""
+        replaced = any(e is not engine and e.healthy and not e.draining and "decode" in e.duties
+                       for e in self.all())
+        engine.give_up_waiting(replaced)
+        if replaced:
             for stream in list(engine.open_streams):
                 stream.close()
 

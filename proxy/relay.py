@@ -1,4 +1,5 @@
-"""Relay a decode stream to the client, bytes exactly as the engine framed them.
+"""Relay a decode stream to the client, bytes exactly as the engine framed them (and read a
+whole reply: :func:`whole_reply`).
 
 Yields each chunk as it arrives (the client has it before any bookkeeping runs), then, when the
 engine fails mid-stream, one :class:`~proxy.errors.DecodeLost` or ``DecodeStalled``: the stream
@@ -33,6 +34,33 @@ def tokens_in(chunk: bytes) -> int:
     """
     return max(0, chunk.count(b"\n\n") - chunk.count(b'"role":') - chunk.count(b'"choices":[]')
                - chunk.count(b"[DONE]\n\n"))
+
+
+async def whole_reply(leg: DecodeLeg, metrics, pool) -> bytes:
+    """The decode engine's whole (unstreamed) reply; the claim ends with it."""
+    stream = await leg.open()
+    assert leg.req.deadline is not None  # set by Orchestrator.serve
+    try:
+        async with asyncio.timeout_at(leg.req.deadline):
+            data = await stream.read_all()
+    except TimeoutError:
+        raise RequestDeadline("the request did not finish within its deadline") from None
+    except EngineTimeout:
+        raise DecodeStalled("the decode engine stalled while answering",
+                            engine=leg.decode.name) from None
+    except Exception as exc:
+        if isinstance(exc, EngineUnreachable):
+            pool.mark_down(leg.decode)
+        raise DecodeLost("the decode engine failed while answering",
+                         engine=leg.decode.name) from None
+    finally:
+        stream.close()
+        leg.claim.release()
+        leg.ended(time.perf_counter())  # (its pull is over)
+    # A whole reply has no first-token time: only its total is recorded.
+    metrics.stage_seconds.labels("total", leg.route).observe(
+        time.perf_counter() - leg.trace.t_start)
+    return data
 
 
 async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, pool

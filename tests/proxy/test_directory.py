@@ -553,3 +553,60 @@ async def test_a_retry_past_the_lease_computes_the_prompt(prefill, decode, decod
         (retried,) = decode_b.decode_requests
         assert "kv_transfer_params" not in retried.body
         assert proxy.metric("pd_fallbacks_total", reason="handoff_expired") == 1
+
+
+@pytest.mark.parametrize("other_up", [True, False])
+async def test_a_decode_marked_down_while_it_holds_the_request_unanswered_is_given_up(
+        prefill, decode_b, other_up):
+    """decode-0 reads the request and never answers (hung: it neither answers nor drops the
+    connection). When the proxy marks it down (its probes unanswered), the request waiting for
+    its answer goes to decode-1, which computes the prompt (the hung engine may read the KV if
+    it resumes), instead of waiting until the hung engine is killed or its deadline passes
+    (seen in Ray mode: 21 s, until the watchdog killed the engine). With no other decode engine
+    up, it keeps waiting: the engine may only be slow."""
+    got: list[bytes] = []
+    held: list[asyncio.StreamWriter] = []
+
+    async def take_and_hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        got.append(await reader.read(65536))
+        held.append(writer)
+
+    hanger = await asyncio.start_server(take_and_hang, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{hanger.sockets[0].getsockname()[1]}"
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-1", decode_b)])
+    try:
+        async with live_proxy(proxy_config(prefill, decode_b), directory=directory) as proxy, \
+                httpx.AsyncClient() as c:
+            pool = proxy.state.pool
+            await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
+                             "decode-1 healthy")
+            directory.infos.append(EndpointInfo("decode-0", "decode", url))
+            await wait_until(lambda: pool.get("decode-0") is not None
+                             and pool.get("decode-0").consecutive_failures >= 1,
+                             "decode-0 listed and probed")
+            hung = pool.get("decode-0")
+            hung.healthy, hung.last_pick["decode"] = True, -1  # picked first
+            if not other_up:
+                pool.decode[0 if pool.decode[0] is not hung else 1].healthy = False
+            request = asyncio.create_task(c.post(proxy.url + "/v1/completions",
+                                                 json=dict(BODY, stream=True), timeout=30))
+            await wait_until(lambda: any(g.startswith(b"POST") for g in got), "the request")
+            pool.mark_down(hung)
+            if not other_up:
+                await asyncio.sleep(0.5)
+                assert not request.done()  # still waiting on decode-0
+                for writer in held:
+                    writer.close()  # it fails after all: a 502, no hang
+                assert (await request).status_code == 502
+                return
+            r = await asyncio.wait_for(request, 10)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pd-route"] == "local"
+            (retried,) = decode_b.decode_requests
+            assert "kv_transfer_params" not in retried.body
+            assert proxy.metric("pd_fallbacks_total", reason="handoff_maybe_read") == 1
+            assert not any(proxy.outstanding_tokens().values()), proxy.outstanding_tokens()
+    finally:
+        for writer in held:
+            writer.close()
+        hanger.close()

@@ -109,7 +109,7 @@ async def test_a_client_hang_up_in_the_same_breath_as_a_mark_down_is_a_hang_up()
     entered = asyncio.Event()
     waiter = asyncio.create_task(waiting_on(engine, entered))
     await entered.wait()
-    engine.give_up_waiting()  # the mark-down ...
+    engine.give_up_waiting(replaced=True)  # the mark-down ...
     waiter.cancel()  # ... and the client's hang-up
     with pytest.raises(asyncio.CancelledError):
         await waiter

@@ -14,6 +14,9 @@ from harness.stack import Stack, start_ray
 from tests.marks import mark_e2e
 
 PORT = 19000
+#: Longer than any freeze of an engine by a test that is not about hangs (a few seconds in
+#: ``test_a_long_answer_outweighs_several_short_ones``).
+HANG_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="package")
@@ -30,6 +33,7 @@ def ray_stack(tmp_path_factory, otlp) -> Stack:
         extra=["--prefill", "1", "--decode", "2", "--num-cpus", "4",
                "--namespace", f"pdserve-test-{os.getpid()}", "--policy", "disaggregate",
                "--kv-blocks", "512", "--probe-tokens", "",
+               "--hang-timeout-s", str(HANG_TIMEOUT_S),
                "--otlp-traces-endpoint", otlp.endpoint],
         env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
              "OTEL_BSP_SCHEDULE_DELAY": "200"})  # export every 0.2 s, not 5 s

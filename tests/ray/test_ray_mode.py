@@ -6,6 +6,7 @@ trace per request across the proxy and the engine actors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from harness.prompts import text_of_tokens
 from harness.sockets import tcp_listeners, unix_listeners
 from harness.stack import ROOT, STACK_ENV
 from launch.engines import private_socket_dir
+from tests.ray.conftest import HANG_TIMEOUT_S
 from tests.trace_checks import assert_one_pd_trace
 
 GOLDEN_LENGTHS = (100, 1000)
@@ -326,26 +328,64 @@ def test_zz_decode_killed_mid_run_streams_continue_and_it_restarts(ray_stack):
     print(f"texts equal to the uninterrupted run's: {8 - len(differ)} of 8")
     assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
 
-    # Ray restarted the actor: decode-0 is back (a new engine process, maybe on the same
-    # port), the proxy took it as a new engine, it is healthy and serves again.
-    deadline = time.monotonic() + 600
-    while True:
-        now = decodes(ray_stack).get("decode-0")
-        if now and now["instance"] != victim["instance"] and now["healthy"]:
-            break
-        assert time.monotonic() < deadline, f"decode-0 not back: {now}"
-        time.sleep(2)
-    print(f"decode-0 back after {time.monotonic() - t_kill:.0f}s: {now['instance']}")
+    now = back_and_serving(ray_stack, "decode-0", victim, t_kill)
     assert (now["instance"].endswith(f":{leader}") is False
             and victim["instance"].endswith(f":{leader}"))
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert gone(pid)
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def back_and_serving(stack, name: str, victim: dict, since: float) -> dict:
+    """Ray restarted the actor: ``name`` is back (a new engine process, maybe on the same
+    port), the proxy took it as a new engine, it is healthy and serves again; its entry."""
+    deadline = time.monotonic() + 600
+    while True:
+        now = decodes(stack).get(name)
+        if now and now["instance"] != victim["instance"] and now["healthy"]:
+            break
+        assert time.monotonic() < deadline, f"{name} not back: {now}"
+        time.sleep(2)
+    print(f"{name} back after {time.monotonic() - since:.0f}s: {now['instance']}")
     before = success_count(now["url"])
-    with Load(ray_stack, clients=4, max_tokens=48) as load:
+    with Load(stack, clients=4, max_tokens=48) as load:
         deadline = time.monotonic() + 120
         while success_count(now["url"]) == before:
-            assert time.monotonic() < deadline, "restarted decode-0 gets no requests"
+            assert time.monotonic() < deadline, f"restarted {name} gets no requests"
             time.sleep(1)
     assert set(load.outcomes) == {"ok"}, load.outcomes
+    return now
+
+
+def test_zz_hung_decode_is_killed_and_ray_restarts_it(ray_stack):
+    """SIGSTOP decode-1's whole engine (server, engine core, worker): alive, it answers
+    nothing, and never exits. Its actor's watchdog kills it once its /health has gone
+    unanswered past ``--hang-timeout-s`` (and not before), Ray restarts the actor, and the new
+    engine serves. Meanwhile every request is served (by decode-0), none fails or hangs."""
+    wait_idle_in_proxy_view(ray_stack, ["decode-0", "decode-1"])
+    victim = decodes(ray_stack)["decode-1"]
+    pid = listener_pid(victim["url"])
+    group = os.getpgid(pid)
+    os.killpg(group, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        with Load(ray_stack, clients=2, max_tokens=16) as load:
+            while time.monotonic() - t_stop < HANG_TIMEOUT_S - 2:  # not killed early
+                assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
+                time.sleep(1)
+            while not gone(pid):
+                assert time.monotonic() - t_stop < HANG_TIMEOUT_S + 60, "hung engine not killed"
+                time.sleep(0.5)
+            killed_after = time.monotonic() - t_stop
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the test failed before the kill)
+            os.killpg(group, signal.SIGCONT)
+    print(f"hung decode-1 killed {killed_after:.1f}s after it stopped answering; "
+          f"{len(load.outcomes)} requests meanwhile")
+    assert load.outcomes and set(load.outcomes) == {"ok"}, load.outcomes
+    back_and_serving(ray_stack, "decode-1", victim, t_stop)
 
 
 def pdserve_scale(stack, role: str, replicas: int, *extra: str) -> dict:
