@@ -286,6 +286,7 @@ class EngineHost:
             log.error("%s: engine alive (pid %d) but its /health unanswered for %.0f s (%d "
                       "checks in a row): killing it so Ray restarts this actor", self.name,
                       self.proc.popen.pid, now - hang.first_failure_s, hang.failures)
+            self._hang = None  # once: its exit (a large process takes a moment) ends the actor
             self._kill_engine()
 
     def _kill_engine(self) -> None:
