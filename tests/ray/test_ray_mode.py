@@ -363,7 +363,7 @@ def test_zz_hung_decode_is_killed_and_ray_restarts_it(ray_stack):
     """SIGSTOP decode-1's whole engine (server, engine core, worker): alive, it answers
     nothing, and never exits. Its actor's watchdog kills it once its /health has gone
     unanswered past ``--hang-timeout-s`` (and not before), Ray restarts the actor, and the new
-    engine serves. Meanwhile every request is served (by decode-0), none fails or hangs."""
+    engine serves. Meanwhile every request is served, none fails or waits for the kill."""
     wait_idle_in_proxy_view(ray_stack, ["decode-0", "decode-1"])
     victim = decodes(ray_stack)["decode-1"]
     pid = listener_pid(victim["url"])
@@ -384,7 +384,11 @@ def test_zz_hung_decode_is_killed_and_ray_restarts_it(ray_stack):
             os.killpg(group, signal.SIGCONT)
     print(f"hung decode-1 killed {killed_after:.1f}s after it stopped answering; "
           f"{len(load.outcomes)} requests meanwhile")
-    assert load.outcomes and set(load.outcomes) == {"ok"}, load.outcomes
+    assert set(load.outcomes) == {"ok"}, load.outcomes
+    # Requests kept flowing: once the proxy marked decode-1 down (three slow probes, ~9 s),
+    # those waiting on it went to decode-0. (They waited for the kill before: 3 requests in
+    # all, against 136 here.)
+    assert len(load.outcomes) >= 20, load.outcomes
     back_and_serving(ray_stack, "decode-1", victim, t_stop)
 
 
