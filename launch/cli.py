@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from launch.engine_hang import DEFAULT_TIMEOUT_S as HANG_TIMEOUT_S
 from launch.processes import EngineFailed, PortBusy
 
 
@@ -34,10 +35,22 @@ def _add_dev(sub: argparse._SubParsersAction) -> None:
                         "link throttled to this rate (0 = unthrottled); needs root")
     p.add_argument("--no-restart", action="store_true",
                    help="leave an engine that dies down (default: restart it, with backoff)")
+    _add_hang_timeout(p, "restarted (--no-restart: not watched)")
     p.add_argument("--log-dir", type=Path, default=DevOptions.log_dir)
     p.add_argument("--start-timeout-s", type=float, default=DevOptions.start_timeout_s)
     _add_observability(p)
     _add_settings(p)
+
+
+def _add_hang_timeout(p: argparse.ArgumentParser, then: str) -> None:
+    p.add_argument("--hang-timeout-s", type=float, default=HANG_TIMEOUT_S,
+                   help="a ready engine whose /health goes unanswered this long (alive but "
+                        f"hung) is killed, and {then} (0: never)")
+
+
+def _check_hang_timeout(args: argparse.Namespace) -> None:
+    if args.hang_timeout_s < 0:
+        raise ValueError("need --hang-timeout-s >= 0 (0: never)")
 
 
 def _add_ray(sub: argparse._SubParsersAction) -> None:
@@ -71,9 +84,7 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
                    help="restarts of a dead engine's actor (-1: always)")
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
                    help="engine logs, on each engine's node (default: /tmp/pdserve-<uid>/logs)")
-    p.add_argument("--hang-timeout-s", type=float, default=EngineTemplate.hang_timeout_s,
-                   help="a ready engine whose /health goes unanswered this long (alive but "
-                        "hung) is killed, and Ray restarts its actor (0: never)")
+    _add_hang_timeout(p, "Ray restarts its actor")
     p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
     _add_observability(p)
     _add_settings(p)
@@ -127,8 +138,7 @@ def _run_ray(args: argparse.Namespace) -> int:
 
     if args.prefill < 0 or args.decode < 1:
         raise ValueError("need --decode >= 1 and --prefill >= 0")
-    if args.hang_timeout_s < 0:
-        raise ValueError("need --hang-timeout-s >= 0 (0: never)")
+    _check_hang_timeout(args)
     engines, proxy = _settings(args)
     path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
     template = EngineTemplate(
@@ -225,6 +235,7 @@ def _run_dev(args: argparse.Namespace) -> int:
     from launch.dev import DevOptions, run_dev
     from launch.models import ensure_model
 
+    _check_hang_timeout(args)
     engines, proxy = _settings(args)
     path = ensure_model(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
     return run_dev(DevOptions(
@@ -237,6 +248,7 @@ def _run_dev(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout_s,
         link_mbit=args.link_mbit,
         restart_engines=not args.no_restart,
+        hang_timeout_s=args.hang_timeout_s,
         layout=args.layout,
         engines=engines,
         proxy=proxy,

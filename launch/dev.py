@@ -19,6 +19,7 @@ from pathlib import Path
 
 from decode.role import CHUNK_TOKENS as DECODE_CHUNK_TOKENS
 from launch.engine_guard import deployment_key
+from launch.engine_hang import DEFAULT_TIMEOUT_S
 from launch.engines import (
     EngineSpec,
     check_kv_capacity,
@@ -63,6 +64,9 @@ class DevOptions:
     link_mbit: float | None = None
     #: Restart an engine that dies (see launch/supervisor.py).
     restart_engines: bool = True
+    #: A ready engine whose /health goes unanswered this long is killed (and so restarted);
+    #: 0: never (``launch/engine_hang.py``).
+    hang_timeout_s: float = DEFAULT_TIMEOUT_S
     #: ``disaggregated``: a prefill and a decode engine. ``aggregated``: two engines that each
     #: serve whole requests. ``pool``: two engines that may do either (vLLM's ``kv_both``): the
     #: policy picks, per request, local on one or prefill on the other. Aggregated and pool
@@ -236,7 +240,8 @@ def run_dev(opts: DevOptions) -> int:
         confinement_report(engines)
         if opts.restart_engines:
             supervisor = Supervisor(engines, log_dir,
-                                    on_restart=lambda es: _write_run_file(log_dir, opts, es))
+                                    on_restart=lambda es: _write_run_file(log_dir, opts, es),
+                                    hang_timeout_s=opts.hang_timeout_s)
             supervisor.start()
         config = proxy_config(opts, prefill_spec, decode_spec, kv_bytes_per_token, key)
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"

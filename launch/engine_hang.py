@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: ``--hang-timeout-s``'s default, in dev and Ray mode.
+DEFAULT_TIMEOUT_S = 60.0
 #: The longest a check waits for its answer: an engine busy computing still answers /health
 #: well within it (its server answers between steps).
 CHECK_TIMEOUT_S = 5.0

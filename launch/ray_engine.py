@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.engine_hang import HangDetector
+from launch.engine_hang import DEFAULT_TIMEOUT_S, HangDetector
 from launch.engines import (
     EngineSpec,
     default_dtype,
@@ -65,7 +65,7 @@ class EngineTemplate:
     api_key: str | None = field(default=None, repr=False)
     #: A ready engine whose /health goes unanswered this long (``launch/engine_hang.py``) is
     #: killed, so Ray restarts its actor; 0: never.
-    hang_timeout_s: float = 60.0
+    hang_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

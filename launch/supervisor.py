@@ -7,8 +7,11 @@ peers before routing to it again). An engine that keeps dying soon after startin
 ever answered ``/health`` (however long its start-up took), or that cannot be started at all,
 is in a crash loop: it is restarted with a growing pause, and after ``max_quick_deaths`` such
 deaths in a row it is left down with its last log line reported (dev mode keeps serving what it
-can: with the prefill engine down every request is served ``local``). Nothing one engine does
-ends the watch: a failure is logged and the thread carries on.
+can: with the prefill engine down every request is served ``local``). An engine that is alive
+but hung (its ``/health`` unanswered past ``hang_timeout_s``, by the rule of
+``launch/engine_hang.py``, as Ray mode's watchdog judges it) is killed, and so restarted like
+one that died. Nothing one engine does ends the watch: a failure is logged and the thread
+carries on.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.engine_hang import HangDetector
 from launch.isolation import guard
 from launch.processes import EngineProcess, start_engine, stop_engines
 
@@ -36,6 +40,9 @@ class _Watch:
     quick_deaths: int = 0
     retry_at: float | None = None
     gave_up: bool = False
+    #: Judges it hung once ready (None: not watched for hangs, or just killed for one).
+    hang: HangDetector | None = None
+    next_hang_check: float = 0.0
 
 
 class Supervisor:
@@ -53,6 +60,7 @@ class Supervisor:
         quick_s: float = 120.0,
         max_quick_deaths: int = 3,
         poll_s: float = 0.5,
+        hang_timeout_s: float = 0.0,
     ):
         self.engines = engines
         self._start = start or (lambda dead: start_engine(dead.spec, log_dir, append_log=True))
@@ -60,7 +68,8 @@ class Supervisor:
         self._quick_s = quick_s
         self._max_quick_deaths = max_quick_deaths
         self._poll_s = poll_s
-        self._watch = {i: _Watch(time.monotonic()) for i in range(len(engines))}
+        self._hang_timeout_s = hang_timeout_s
+        self._watch = {i: self._new_watch(time.monotonic()) for i in range(len(engines))}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
         self.restarts = 0
@@ -98,6 +107,8 @@ class Supervisor:
         if engine.alive():
             if not watch.ready:  # until it answers once, a death is a failed start
                 watch.ready = engine.healthy()
+            elif watch.hang is not None and now >= watch.next_hang_check:
+                self._check_hang(engine, watch, now)
             return
         if watch.retry_at is None:  # just found dead
             log.warning("%s exited with code %s: %r", engine.name,
@@ -112,6 +123,7 @@ class Supervisor:
             return
         watch.retry_at = None
         watch.started, watch.ready = now, False
+        watch.hang = self._new_watch(now).hang
         try:
             self.engines[i] = self._start(engine)
         except Exception:  # fork failing (EAGAIN), its log dir gone: a start that failed at once
@@ -125,6 +137,21 @@ class Supervisor:
                 self._on_restart(self.engines)
             except Exception:
                 log.exception("after restarting %s", engine.name)
+
+    def _new_watch(self, now: float) -> _Watch:
+        hang = HangDetector(self._hang_timeout_s) if self._hang_timeout_s > 0 else None
+        return _Watch(now, hang=hang)
+
+    def _check_hang(self, engine: EngineProcess, watch: _Watch, now: float) -> None:
+        hang = watch.hang
+        assert hang is not None
+        watch.next_hang_check = now + hang.interval_s
+        if hang.observe(engine.healthy(hang.check_timeout_s), now):
+            log.error("%s alive (pid %d) but its /health unanswered for %.0f s (%d checks in "
+                      "a row): killing it to restart it", engine.name, engine.popen.pid,
+                      now - hang.first_failure_s, hang.failures)
+            watch.hang = None  # once (its next start watches again)
+            stop_engines([engine], grace_s=0.0)
 
     def _died(self, engine: EngineProcess, watch: _Watch, now: float, quick: bool) -> bool:
         """Count a death; schedule the restart (True) or leave the engine down (False)."""

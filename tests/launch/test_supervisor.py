@@ -278,3 +278,61 @@ def test_pdserve_dev_refuses_a_kv_cache_too_small_before_starting_engines(tmp_pa
     assert "--kv-blocks 24 holds 3072 tokens" in r.stderr and "at least 32 blocks" in r.stderr
     assert not (tmp_path / "run.json").exists()  # nothing was started
     assert time.monotonic() - t0 < 60
+
+
+SERVES_HEALTH = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_an_engine_alive_but_hung_is_killed_after_the_hang_timeout_and_restarted(tmp_path):
+    """An engine that answers /health, then is stopped (SIGSTOP: alive, answering nothing),
+    is killed once three checks in a row spanning more than the timeout went unanswered, not
+    before, and then restarted like an engine that died. Without hang detection it would be
+    left as it is: alive, so never restarted."""
+    import os
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    popen = subprocess.Popen([sys.executable, "-c", SERVES_HEALTH, str(port)],
+                             start_new_session=True)
+    spec = SimpleNamespace(role="decode", port=port, url=f"http://127.0.0.1:{port}",
+                           cpu_cores=None)
+    hung = EngineProcess(spec, popen, tmp_path / "none.log")  # type: ignore[arg-type]
+    started: list[EngineProcess] = []
+
+    def start(dead: EngineProcess) -> EngineProcess:
+        started.append(proc(RUNS, dead.spec.role))
+        return started[-1]
+
+    engines = [hung]
+    sup = Supervisor(engines, tmp_path, start=start, quick_s=0.0, hang_timeout_s=1.0)
+    try:
+        t = time.monotonic()
+        deadline = t + 10
+        while not sup._watch[0].ready:  # it answers: ready
+            assert time.monotonic() < deadline, "the stand-in never answered /health"
+            time.sleep(0.1)
+            sup.check(0, t)
+        os.kill(popen.pid, signal.SIGSTOP)
+        for at in (t + 1.0, t + 1.5):  # two unanswered checks, 0.5 s apart: not yet
+            sup.check(0, at)
+            assert hung.alive()
+        sup.check(0, t + 2.1)  # the third, 1.1 s after the first: hung
+        assert not hung.alive() and hung.popen.returncode == -signal.SIGKILL
+        sup.check(0, t + 2.2)  # found dead: restarted after its pause
+        sup.check(0, t + 4.0)
+        assert len(started) == 1 and engines[0] is started[0] and sup.restarts == 1
+    finally:
+        for e in (hung, *started):
+            e.popen.kill()

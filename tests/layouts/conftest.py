@@ -8,6 +8,10 @@ import pytest
 from harness.stack import Stack, serving, start_dev
 from tests.marks import last_in_package, mark_e2e
 
+#: An engine frozen this long is killed (and restarted) by dev mode's supervisor: longer than
+#: the migration test's freeze takes to matter (its mark-down, ~9 s), short for CI.
+HANG_TIMEOUT_S = 15.0
+
 
 @pytest.fixture(scope="package")
 def pool_stack(tmp_path_factory) -> Stack:
@@ -15,7 +19,7 @@ def pool_stack(tmp_path_factory) -> Stack:
         start_dev, model="tiny", port=18500, engine_base_port=18600, side_channel_base_port=16600,
         log_dir=tmp_path_factory.mktemp("pool-stack"), model_name="pdserve-tiny",
         extra=["--layout", "aggregated", "--kv-events-base-port", "16700", "--kv-blocks",
-               "512", "--reprobe-s", "0"],
+               "512", "--reprobe-s", "0", "--hang-timeout-s", str(HANG_TIMEOUT_S)],
     ) as stack:
         yield stack
 

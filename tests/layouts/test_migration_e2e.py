@@ -3,7 +3,8 @@
 (the whole engine, or only its engine core);
 every stream completes, its text equal to the same stream's uninterrupted run (a migrated
 stream may differ after the switch: ``harness.greedy_streams``), and the proxy counts the
-migrations. The killed engine is restarted by dev mode's supervisor. Each test starts by waiting
+migrations. The killed engine is restarted by dev mode's supervisor, and so is the frozen one,
+killed first by the supervisor as hung (``--hang-timeout-s``). Each test starts by waiting
 until the proxy sees both engines healthy (the one killed before it may still be restarting);
 the package runs these tests last (``conftest.py``), so no other test waits for a restart.
 """
@@ -11,8 +12,10 @@ the package runs these tests last (``conftest.py``), so no other test waits for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -21,6 +24,7 @@ from harness.engine_io import proxy_metric
 from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.routes import costs, wait_for
+from tests.layouts.conftest import HANG_TIMEOUT_S
 from tests.layouts.test_layouts import route
 
 STREAMS = 8
@@ -36,10 +40,12 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
     whole engine SIGSTOPped (a hung host: its kernel still accepts connections, nothing
     answers). The proxy marks a stalled engine down after three slow health probes and cuts
     its streams then, so they continue on the other engine well before the idle deadline
-    (60 s here) would have noticed; it is resumed after."""
+    (60 s here) would have noticed. It stays frozen: the supervisor kills it as hung once its
+    /health went unanswered past ``--hang-timeout-s`` (not before), and restarts it."""
     stack = pool_stack
     reason = "decode_error" if kill == "engine_core" else "decode_lost"
     stopped: list[int] = []
+    frozen: list[tuple[psutil.Process, float]] = []  # the group's leader, when
     wait_for(lambda: all(e["healthy"] for e in costs(stack)["engines"].values()),
              "both engines healthy (one killed before may be restarting)", timeout_s=240)
     route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])
@@ -58,6 +64,7 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         if kill == "stall":
             os.killpg(pgid, signal.SIGSTOP)
             stopped.append(pgid)
+            frozen.append((psutil.Process(pgid), time.monotonic()))
             return
         (core,) = [p for p in psutil.Process(pgid).children(recursive=True)  # (under the
                    if p.name().startswith("VLLM::EngineCor")]  # reaper that leads the group)
@@ -84,6 +91,22 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
         if kill == "stall":  # cut at the mark-down, not at the idle deadline (60 s)
             assert max(gaps) < 30, gaps
+            killed_after = hung_engine_killed(*frozen[0])
+            print(f"the frozen engine killed as hung {killed_after:.1f}s after it froze")
+            wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
+                     "the engine killed as hung restarted", timeout_s=240)
     finally:
         for pgid in stopped:
-            os.killpg(pgid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # (killed as hung)
+                os.killpg(pgid, signal.SIGCONT)
+
+
+def hung_engine_killed(leader: psutil.Process, since: float) -> float:
+    """Wait until the frozen engine's group ``leader`` is gone, killed by the supervisor; not
+    before ``--hang-timeout-s``. Seconds from ``since`` (when it froze)."""
+    while leader.is_running() and leader.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() - since < HANG_TIMEOUT_S + 60, "the hung engine was not killed"
+        time.sleep(0.5)
+    killed_after = time.monotonic() - since
+    assert killed_after > HANG_TIMEOUT_S, killed_after
+    return killed_after
