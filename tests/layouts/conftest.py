@@ -10,7 +10,7 @@ from tests.marks import last_in_package, mark_e2e
 
 #: An engine frozen this long is killed (and restarted) by dev mode's supervisor: longer than
 #: the migration test's freeze takes to matter (its mark-down, ~9 s), short for CI.
-HANG_TIMEOUT_S = 15.0
+HANG_TIMEOUT_S = 12.0
 
 
 @pytest.fixture(scope="package")

@@ -16,7 +16,7 @@ from tests.marks import mark_e2e
 PORT = 19000
 #: Longer than any freeze of an engine by a test that is not about hangs (a few seconds in
 #: ``test_a_long_answer_outweighs_several_short_ones``).
-HANG_TIMEOUT_S = 20.0
+HANG_TIMEOUT_S = 12.0
 
 
 @pytest.fixture(scope="package")

@@ -359,39 +359,6 @@ def back_and_serving(stack, name: str, victim: dict, since: float) -> dict:
     return now
 
 
-def test_zz_hung_decode_is_killed_and_ray_restarts_it(ray_stack):
-    """SIGSTOP decode-1's whole engine (server, engine core, worker): alive, it answers
-    nothing, and never exits. Its actor's watchdog kills it once its /health has gone
-    unanswered past ``--hang-timeout-s`` (and not before), Ray restarts the actor, and the new
-    engine serves. Meanwhile every request is served, none fails or waits for the kill."""
-    wait_idle_in_proxy_view(ray_stack, ["decode-0", "decode-1"])
-    victim = decodes(ray_stack)["decode-1"]
-    pid = listener_pid(victim["url"])
-    group = os.getpgid(pid)
-    os.killpg(group, signal.SIGSTOP)
-    t_stop = time.monotonic()
-    try:
-        with Load(ray_stack, clients=2, max_tokens=16) as load:
-            while time.monotonic() - t_stop < HANG_TIMEOUT_S - 2:  # not killed early
-                assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
-                time.sleep(1)
-            while not gone(pid):
-                assert time.monotonic() - t_stop < HANG_TIMEOUT_S + 60, "hung engine not killed"
-                time.sleep(0.5)
-            killed_after = time.monotonic() - t_stop
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # (the test failed before the kill)
-            os.killpg(group, signal.SIGCONT)
-    print(f"hung decode-1 killed {killed_after:.1f}s after it stopped answering; "
-          f"{len(load.outcomes)} requests meanwhile")
-    assert set(load.outcomes) == {"ok"}, load.outcomes
-    # Requests kept flowing: once the proxy marked decode-1 down (three slow probes, ~9 s),
-    # those waiting on it went to decode-0. (They waited for the kill before: 3 requests in
-    # all, against 136 here.)
-    assert len(load.outcomes) >= 20, load.outcomes
-    back_and_serving(ray_stack, "decode-1", victim, t_stop)
-
-
 def pdserve_scale(stack, role: str, replicas: int, *extra: str) -> dict:
     """``pdserve scale`` as a user runs it; its printed JSON answer."""
     done = subprocess.run(
@@ -478,6 +445,42 @@ def test_zzzzz_scale_down_past_its_drain_timeout_moves_the_streams(ray_stack):
     assert migrated >= 1, f"no stream of {newest} ({url}) was continued"
     assert sorted(decodes(ray_stack)) == ["decode-0"]
 
+
+def test_zzzzzy_a_hung_prefill_is_killed_and_ray_restarts_it(ray_stack):
+    """SIGSTOP the prefill engine whole (server, engine core, worker): alive, it answers
+    nothing, and never exits. Its actor's watchdog kills it once its /health has gone
+    unanswered past ``--hang-timeout-s`` (and not before), and Ray restarts the actor: a new
+    engine, healthy (its serving again after a restart is ``test_zz_decode_killed...``'s).
+    Meanwhile every request is served, computed by the decode engine once the proxy has marked
+    the prefill engine down."""
+    ((name, victim),) = [(n, e) for n, e in ray_stack.engines().items()
+                         if e["role"] == "prefill"]
+    pid = listener_pid(victim["url"])
+    group = os.getpgid(pid)
+    os.killpg(group, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        with Load(ray_stack, clients=2, max_tokens=16) as load:
+            while time.monotonic() - t_stop < HANG_TIMEOUT_S - 2:  # not killed early
+                assert psutil.Process(pid).status() == psutil.STATUS_STOPPED
+                time.sleep(1)
+            while not gone(pid):
+                assert time.monotonic() - t_stop < HANG_TIMEOUT_S + 60, "hung engine not killed"
+                time.sleep(0.5)
+            killed_after = time.monotonic() - t_stop
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the test failed before the kill)
+            os.killpg(group, signal.SIGCONT)
+    print(f"hung {name} killed {killed_after:.1f}s after it stopped answering; "
+          f"{len(load.outcomes)} requests meanwhile")
+    assert set(load.outcomes) == {"ok"} and len(load.outcomes) >= 6, load.outcomes
+    # Back before the next test, which counts every engine's processes.
+    deadline = time.monotonic() + 600
+    while not ((now := ray_stack.engines().get(name, victim))["instance"] != victim["instance"]
+               and now["healthy"]):
+        assert time.monotonic() < deadline, f"{name} not back: {now}"
+        time.sleep(1)
+    print(f"{name} back after {time.monotonic() - t_stop:.0f}s: {now['instance']}")
 
 
 def test_zzzzzz_pdserve_ray_exits_when_its_cluster_is_gone(ray_stack):
