@@ -7,7 +7,6 @@ import ipaddress
 import socket
 import socketserver
 import threading
-import time
 
 import pytest
 
@@ -66,13 +65,13 @@ def test_anything_else_is_refused(echo, request_line, clients, status):
         assert reply.split()[1] == status and proxy.tunnels == 0
 
 
-def test_a_refused_client_that_reads_late_still_gets_its_answer(echo):
-    """The proxy refuses a client outside its subnet before reading its request. It used to
-    close with the request unread, which makes the socket send a reset: a client reading its
-    answer after that got "connection reset" instead of the 403 (seen as a flaky CI test)."""
-    with EgressProxy("127.0.0.1", free_port(), ipaddress.IPv4Network("10.0.0.0/8"),
-                     ports=(echo,)) as proxy:
-        with socket.create_connection((proxy.host, proxy.port), timeout=5) as s:
-            s.sendall(f"CONNECT 127.0.0.1:{echo} HTTP/1.1\r\n\r\n".encode())
-            time.sleep(0.3)  # the proxy has answered (and, before, closed) by now
-            assert s.recv(4096).split()[1] == b"403"
+def test_stopping_as_a_refused_connection_ends_never_raises():
+    """``stop()`` closed the server from the caller's thread, racing the loop's own wake-up of
+    the server's waiters as a refused connection ended: "'NoneType' object is not iterable",
+    about 1 stop in 65 here (a CI run failed on it). A thousand rounds, a second."""
+    for _ in range(1000):
+        with EgressProxy("127.0.0.1", free_port(), ipaddress.IPv4Network("10.0.0.0/8"),
+                         ports=(1,)) as proxy:
+            with socket.create_connection((proxy.host, proxy.port), timeout=5) as s:
+                s.sendall(b"CONNECT 127.0.0.1:1 HTTP/1.1\r\n\r\n")
+                assert s.recv(4096).split()[1] == b"403"
