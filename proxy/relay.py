@@ -30,7 +30,8 @@ def tokens_in(chunk: bytes) -> int:
     that carry no token: a chat stream's opening ``role`` event, the closing usage event (no
     choices) and ``[DONE]``. They were counted as tokens once, so a ``[DONE]`` read on its own
     taught the step model a step of a few microseconds. (An event split across two reads is
-    counted in the read that ends it; the markers are keys, which the text cannot fake either.)
+    counted in the read that ends it; the markers are keys, which the text cannot fake either.
+    A role event split so that its marker and its end fall in two reads counts once: rare.)
     """
     return max(0, chunk.count(b"\n\n") - chunk.count(b'"role":') - chunk.count(b'"choices":[]')
                - chunk.count(b"[DONE]\n\n"))
