@@ -85,7 +85,10 @@ def _add_ray(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=EngineTemplate.log_dir,
                    help="engine logs, on each engine's node (default: /tmp/pdserve-<uid>/logs)")
     _add_hang_timeout(p, "Ray restarts its actor")
-    p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s)
+    p.add_argument("--start-timeout-s", type=float, default=RayOptions.start_timeout_s,
+                   help="how long the engines may take to become ready, at start-up and "
+                        "after: one starting longer (stuck loading, or waiting for a node "
+                        "that is gone) is stopped and replaced")
     _add_observability(p)
     _add_settings(p)
 

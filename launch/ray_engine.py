@@ -245,7 +245,6 @@ class EngineHost:
         self._stopping = threading.Event()
         self.failed: str | None = None
         self._hang = HangDetector(t.hang_timeout_s) if t.hang_timeout_s > 0 else None
-        self._hang_checked_s = 0.0
         threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -276,17 +275,13 @@ class EngineHost:
             os._exit(1)
 
     def _check_hang(self) -> None:
-        """Check the ready engine's /health when one is due; kill the engine once it is hung."""
+        """Check the ready engine's /health when one is due; kill the engine once it is hung
+        (its exit, a large process's takes a moment, then ends the actor)."""
         hang, now = self._hang, time.monotonic()
         assert hang is not None
-        if now - self._hang_checked_s < hang.interval_s:
-            return
-        self._hang_checked_s = now
-        if hang.observe(self.proc.healthy(hang.check_timeout_s), now):
-            log.error("%s: engine alive (pid %d) but its /health unanswered for %.0f s (%d "
-                      "checks in a row): killing it so Ray restarts this actor", self.name,
-                      self.proc.popen.pid, now - hang.first_failure_s, hang.failures)
-            self._hang = None  # once: its exit (a large process takes a moment) ends the actor
+        if hang.poll(self.proc.healthy, now):
+            log.error("%s: engine alive (pid %d) but %s: killing it so Ray restarts this "
+                      "actor", self.name, self.proc.popen.pid, hang.why(now))
             self._kill_engine()
 
     def _kill_engine(self) -> None:

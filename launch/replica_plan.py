@@ -2,7 +2,7 @@
 
 Given the number of engines declared per role (at start-up, then by each scale order), each
 engine's state and the crash-loop record, :func:`plan_replicas` says which engines to stop and
-how many fresh ones to start. :meth:`launch.ray_mode.RayScaler.reconcile` gathers the states
+how many fresh ones to start. :meth:`launch.ray_actors.RayScaler.reconcile` gathers the states
 (the actors' ``info``) and does what it returns; it reads no clock and does no I/O.
 
 An engine is dead for good when its actor died with no restart left, or its engine failed
@@ -12,12 +12,17 @@ its declared count gets a fresh actor. A crash loop is guarded: a replacement th
 it was ever seen ready is a strike for its role, the next replacement waits a pause that
 doubles with each strike in a row, and at ``max_strikes`` the role is left short (an operator's
 scale order clears the strikes). A replacement seen ready clears them too.
+
+An engine can also be stuck: starting, never failing and never ready (a load that hangs, an
+actor waiting for a node that is gone). One not seen ready for ``ready_within_s`` since it was
+started or last ready (``pdserve ray --start-timeout-s``: what start-up waits for the first
+engines) is taken as dead for good (:func:`judge`), so a stuck replacement is a strike too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 #: ``ready``: answers /health; ``starting``: may serve (starting, restarting, not answering
@@ -34,6 +39,8 @@ class Replica:
     replacement: bool = False
     #: Why it is dead (its engine's last error, or its actor's death).
     cause: str | None = None
+    #: Seconds since it was started or last seen ready (0 when ready).
+    unready_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -46,11 +53,14 @@ class Strikes:
 
 
 @dataclass(frozen=True)
-class CrashLoopRule:
+class ReplicaRule:
     first_pause_s: float = 10.0
     max_pause_s: float = 160.0
     #: Strikes in a row after which a role is no longer replaced.
     max_strikes: int = 4
+    #: A starting engine not seen ready this long since it started or was last ready is
+    #: dead for good (stuck).
+    ready_within_s: float = 900.0
 
     def pause_s(self, strikes: int) -> float:
         """How long after its last strike a role's next replacement waits."""
@@ -70,9 +80,18 @@ class Plan:
     gave_up: tuple[str, ...] = ()
 
 
+def judge(replica: Replica, rule: ReplicaRule = ReplicaRule()) -> Replica:
+    """``replica``, or dead for good when it has been starting longer than the rule allows."""
+    if replica.state != "starting" or replica.unready_s <= rule.ready_within_s:
+        return replica
+    return replace(replica, state="dead", cause=(
+        f"not ready {replica.unready_s:.0f} s after it was started or last ready (stuck "
+        f"starting; the limit is --start-timeout-s, {rule.ready_within_s:.0f} s)"))
+
+
 def plan_replicas(declared: Mapping[str, int], replicas: Sequence[Replica],
                   strikes: Mapping[str, Strikes], now_s: float,
-                  rule: CrashLoopRule = CrashLoopRule()) -> Plan:
+                  rule: ReplicaRule = ReplicaRule()) -> Plan:
     """Stop every engine dead for good; start as many as each role in ``declared`` is short
     of (engines starting count: they may serve), unless its crash loop says wait or stop.
     Never removes a live engine (scaling down drains first: the proxy's job). A role not in

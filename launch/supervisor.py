@@ -40,9 +40,8 @@ class _Watch:
     quick_deaths: int = 0
     retry_at: float | None = None
     gave_up: bool = False
-    #: Judges it hung once ready (None: not watched for hangs, or just killed for one).
+    #: Judges it hung once ready (None: not watched for hangs).
     hang: HangDetector | None = None
-    next_hang_check: float = 0.0
 
 
 class Supervisor:
@@ -107,8 +106,10 @@ class Supervisor:
         if engine.alive():
             if not watch.ready:  # until it answers once, a death is a failed start
                 watch.ready = engine.healthy()
-            elif watch.hang is not None and now >= watch.next_hang_check:
-                self._check_hang(engine, watch, now)
+            elif watch.hang is not None and watch.hang.poll(engine.healthy, now):
+                log.error("%s alive (pid %d) but %s: killing it to restart it", engine.name,
+                          engine.popen.pid, watch.hang.why(now))
+                stop_engines([engine], grace_s=0.0)
             return
         if watch.retry_at is None:  # just found dead
             log.warning("%s exited with code %s: %r", engine.name,
@@ -141,17 +142,6 @@ class Supervisor:
     def _new_watch(self, now: float) -> _Watch:
         hang = HangDetector(self._hang_timeout_s) if self._hang_timeout_s > 0 else None
         return _Watch(now, hang=hang)
-
-    def _check_hang(self, engine: EngineProcess, watch: _Watch, now: float) -> None:
-        hang = watch.hang
-        assert hang is not None
-        watch.next_hang_check = now + hang.interval_s
-        if hang.observe(engine.healthy(hang.check_timeout_s), now):
-            log.error("%s alive (pid %d) but its /health unanswered for %.0f s (%d checks in "
-                      "a row): killing it to restart it", engine.name, engine.popen.pid,
-                      now - hang.first_failure_s, hang.failures)
-            watch.hang = None  # once (its next start watches again)
-            stop_engines([engine], grace_s=0.0)
 
     def _died(self, engine: EngineProcess, watch: _Watch, now: float, quick: bool) -> bool:
         """Count a death; schedule the restart (True) or leave the engine down (False)."""

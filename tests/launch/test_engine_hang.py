@@ -36,6 +36,26 @@ def test_checks_are_spread_over_the_timeout_each_with_a_deadline():
     assert HangDetector(0.5).interval_s == 0.25
 
 
+def test_poll_checks_when_due_and_finds_an_engine_hung_once():
+    """The watchdogs' one entry (Ray's actor and dev mode's supervisor): a check each
+    ``interval_s`` with its deadline, True the first time only."""
+    detector = HangDetector(timeout_s=3.0)  # a check each 0.5 s, each within 1 s
+    asked: list[tuple[float, float]] = []
+
+    def silent(timeout_s: float) -> bool:
+        asked.append((now, timeout_s))
+        return False
+
+    verdicts = []
+    for tick in range(0, 60):
+        now = tick * 0.1
+        verdicts.append(detector.poll(silent, now))
+    assert [at for at, _ in asked] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5])
+    assert {timeout for _, timeout in asked} == {1.0}
+    assert verdicts.count(True) == 1 and verdicts.index(True) == 35  # 3.5 - 0.0 > 3 s
+    assert "unanswered for 4 s (8 checks in a row)" in detector.why(4.0)
+
+
 class _Popen:
     pid = 4242
 
@@ -86,7 +106,6 @@ def _host(monkeypatch, engine: _Engine, hang_timeout_s: float):
     host.spec = type("Spec", (), {"cpu_cores": None})()
     host._stopping = threading.Event()
     host._hang = HangDetector(hang_timeout_s) if hang_timeout_s > 0 else None
-    host._hang_checked_s = 0.0
     return host, killed
 
 

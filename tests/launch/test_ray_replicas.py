@@ -8,11 +8,11 @@ import logging
 
 import pytest
 
-from launch.replica_plan import CrashLoopRule, Plan, Replica, Strikes, plan_replicas
+from launch.replica_plan import Plan, Replica, ReplicaRule, Strikes, judge, plan_replicas
 from launch.settings import EngineSettings
 from tests.launch.ray_fakes import FakeActorClass
 
-RULE = CrashLoopRule(first_pause_s=10.0, max_pause_s=40.0, max_strikes=3)
+RULE = ReplicaRule(first_pause_s=10.0, max_pause_s=40.0, max_strikes=3, ready_within_s=300.0)
 READY = {"failed": None, "healthy": True}
 STARTING = {"failed": None, "healthy": False}
 FAILED = {"failed": "engine exited with 1 before it was ready: 'OOM'", "healthy": False}
@@ -66,6 +66,19 @@ def test_the_plan(declared, replicas, strikes, now_s, want):
     assert plan_replicas(declared, replicas, strikes, now_s, RULE) == want
 
 
+@pytest.mark.parametrize(("state", "unready_s", "judged"), [
+    ("starting", 300.0, "starting"),  # within the start timeout: may still come up
+    ("starting", 300.5, "dead"),  # stuck: taken as dead for good
+    ("ready", 10_000.0, "ready"),  # (a ready engine has no such clock; never judged)
+    ("dead", 0.0, "dead"),
+])
+def test_an_engine_starting_longer_than_the_start_timeout_is_dead(state, unready_s, judged):
+    replica = Replica("decode-1", "decode", state, True, None, unready_s)
+    assert judge(replica, RULE).state == judged
+    if state == "starting" and judged == "dead":
+        assert "stuck starting" in (judge(replica, RULE).cause or "")
+
+
 def test_pauses_double_up_to_their_cap():
     assert [RULE.pause_s(n) for n in range(5)] == [0.0, 10.0, 20.0, 40.0, 40.0]
 
@@ -74,15 +87,15 @@ def test_pauses_double_up_to_their_cap():
 def scaler(monkeypatch):
     import ray
 
+    from launch.ray_actors import RayScaler
     from launch.ray_engine import EngineTemplate
-    from launch.ray_mode import RayScaler
 
     cls = FakeActorClass(STARTING)
     killed: list = []
     clock = [1000.0]
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
-    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: cls)
-    monkeypatch.setattr("launch.ray_mode.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("launch.ray_actors.engine_host_class", lambda max_restarts: cls)
+    monkeypatch.setattr("launch.ray_actors.time.monotonic", lambda: clock[0])
     template = EngineTemplate(model="tiny", served_model_name="t",
                               engines=EngineSettings(kv_cache_gib=1))
     s = RayScaler("pdserve", template, "cpu", -1, {"decode": ("pd_a", "pd_b")}, RULE)
@@ -98,7 +111,7 @@ def test_a_failed_restart_is_logged_stopped_and_replaced_on_its_resource(scaler,
     scaler.handles["decode-0"].answer = READY
     scaler.handles["decode-1"].answer = FAILED
     failed = scaler.handles["decode-1"]
-    with caplog.at_level(logging.ERROR, "launch.ray_mode"):
+    with caplog.at_level(logging.ERROR, "launch.ray_actors"):
         assert asyncio.run(scaler.reconcile({"decode": 2})) == {"decode": ["decode-2"]}
     assert failed.stopped and scaler.killed == [failed]
     assert sorted(scaler.handles) == ["decode-0", "decode-2"]
@@ -123,7 +136,7 @@ def test_a_crash_loop_is_paused_then_given_up_loudly_until_a_scale_order(scaler,
     scaler.handles["decode-0"].answer = FAILED
     scaler.cls.answer = FAILED  # every replacement fails too
     started = []
-    with caplog.at_level(logging.ERROR, "launch.ray_mode"):
+    with caplog.at_level(logging.ERROR, "launch.ray_actors"):
         for _ in range(80):  # 80 s of reconcile rounds, a second apart
             started += [n for ns in asyncio.run(scaler.reconcile({"decode": 1})).values()
                         for n in ns]
@@ -162,3 +175,31 @@ def test_a_dead_engine_seen_by_a_scale_order_still_counts_as_a_strike(scaler):
     asyncio.run(scaler.reconcile({"decode": 1}))
     assert asyncio.run(scaler.replicas("decode")) == []  # decode-1 failed: stopped
     assert scaler._strikes["decode"].count == 1
+
+
+def test_a_replacement_stuck_starting_is_stopped_and_counted_as_a_strike(scaler, caplog):
+    """decode-1 replaces decode-0 and never becomes ready nor fails (its load hangs): past
+    the start timeout it is stopped, named as stuck, a strike, and another takes its place
+    after the pause. An engine that had served and is restarting past the timeout (decode-2
+    here, seen ready once) is replaced too, but is no strike."""
+    scaler.create("decode", 1)
+    scaler.handles["decode-0"].answer = FAILED
+    assert asyncio.run(scaler.reconcile({"decode": 1})) == {"decode": ["decode-1"]}
+    stuck = scaler.handles["decode-1"]  # starting, and stays so
+    scaler.clock[0] += RULE.ready_within_s
+    assert asyncio.run(scaler.reconcile({"decode": 1})) == {}  # not past it yet
+    scaler.clock[0] += 1.0
+    with caplog.at_level(logging.ERROR, "launch.ray_actors"):
+        assert asyncio.run(scaler.reconcile({"decode": 1})) == {}  # stopped; pause first
+    assert stuck.stopped and scaler.killed[-1] is stuck and scaler.handles == {}
+    assert scaler._strikes["decode"].count == 1
+    assert any("decode-1 is dead for good" in m and "stuck starting" in m
+               for m in caplog.messages), caplog.messages
+    scaler.clock[0] += RULE.pause_s(1)
+    scaler.cls.answer = READY
+    assert asyncio.run(scaler.reconcile({"decode": 1})) == {"decode": ["decode-2"]}
+    asyncio.run(scaler.reconcile({"decode": 1}))  # seen ready: strikes cleared
+    scaler.handles["decode-2"].answer = STARTING  # restarting, and stuck there
+    scaler.clock[0] += RULE.ready_within_s + 1.0
+    assert asyncio.run(scaler.reconcile({"decode": 1})) == {"decode": ["decode-3"]}
+    assert scaler._strikes["decode"] == Strikes()

@@ -9,15 +9,15 @@ import sys
 import pytest
 
 from launch.engines import private_socket_dir
-from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
-from launch.ray_mode import (
+from launch.ray_actors import (
     PLACEMENT_SHARE,
     actor_resources,
-    otel_runtime_env,
     placement_resource,
     resolve_accelerator,
     unplaceable,
 )
+from launch.ray_engine import EngineTemplate, PortReservation, engine_spec_for_node, interface_of
+from launch.ray_mode import otel_runtime_env
 from launch.settings import EngineSettings
 from tests.launch.ray_fakes import FakeActor, FakeActorClass
 
@@ -120,11 +120,11 @@ def test_scale_down_then_up_keeps_one_engine_per_node(monkeypatch):
 
     import ray
 
-    from launch.ray_mode import RayScaler
+    from launch.ray_actors import RayScaler
 
     cls = FakeActorClass()
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: None)
-    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: cls)
+    monkeypatch.setattr("launch.ray_actors.engine_host_class", lambda max_restarts: cls)
     scaler = RayScaler("pdserve", TEMPLATE, "cpu", -1, {"decode": ("pd_a", "pd_b")})
     scaler.create("decode", 2)
     asyncio.run(scaler.remove(["decode-1"]))
@@ -355,11 +355,11 @@ def test_the_scaler_neither_counts_nor_keeps_engines_dead_for_good(monkeypatch):
     import ray
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from launch.ray_mode import RayScaler
+    from launch.ray_actors import RayScaler
 
     killed = []
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
-    monkeypatch.setattr("launch.ray_mode.engine_host_class", lambda max_restarts: None)
+    monkeypatch.setattr("launch.ray_actors.engine_host_class", lambda max_restarts: None)
     scaler = RayScaler("pdserve", TEMPLATE, "cpu", -1)
     up = {"failed": None}
     for role, answers in (("decode", [ActorDiedError(), up, ActorUnavailableError("r", None)]),
