@@ -1,6 +1,6 @@
 """How the proxy learns its engines at run time, and how it asks for more or fewer.
 
-Dev mode passes fixed urls in the config and needs neither. Ray mode (``launch/ray_mode.py``)
+Dev mode passes fixed urls in the config and needs neither. Ray mode (``launch/ray_actors.py``)
 implements both over Ray actors; the proxy itself never imports Ray.
 """
 
