@@ -65,6 +65,10 @@ class FakeEngine:
     #: (0: before sending anything, not even headers).
     decode_gate: asyncio.Event | None = None
     decode_gate_after_frames: int = 0
+    #: When set, the engine core is hung behind a live API server (vLLM's /health still
+    #: answers): every completion waits for this event, a streamed one after its headers (as
+    #: vLLM's server sends them before the first output).
+    core_hung: asyncio.Event | None = None
     #: When set, a streaming decode writes this many frames and then drops the connection.
     decode_drop_after_frames: int | None = None
     #: A whole (unstreamed) decode reply sends its headers and half its body, then drops.
@@ -174,9 +178,12 @@ class FakeEngine:
                           "tokens. However, your request has 9000 input tokens. Please reduce "
                           "the length of the input messages.")
         try:
+            hung = self._take(self.core_hung)
+            if hung is not None and not (body.get("stream") and not is_prefill):
+                await hung.wait()
             if is_prefill:
                 return await self._prefill(recorded, self._take(self.prefill_gate))
-            return await self._decode(request, recorded, self._take(self.decode_gate))
+            return await self._decode(request, recorded, self._take(self.decode_gate), hung)
         except (asyncio.CancelledError, ConnectionError):
             self._record_abort(is_prefill)
             raise
@@ -231,7 +238,8 @@ class FakeEngine:
         return web.json_response(reply)
 
     async def _decode(
-        self, request: web.Request, rec: Recorded, gate: asyncio.Event | None
+        self, request: web.Request, rec: Recorded, gate: asyncio.Event | None,
+        hung: asyncio.Event | None = None
     ) -> web.StreamResponse:
         if gate is not None and self.decode_gate_after_frames == 0:
             await gate.wait()
@@ -262,6 +270,8 @@ class FakeEngine:
             status=200, headers={"content-type": "text/event-stream; charset=utf-8"}
         )
         await resp.prepare(request)
+        if hung is not None:
+            await hung.wait()
         sent = bytearray()
         slot = len(self.sent_streams)  # streams may interleave: each updates its own entry
         self.sent_streams.append(b"")

@@ -132,9 +132,11 @@ class DecodeLeg:
                     # Resumed, the engine may drop the request before vLLM's serving layer sees
                     # its hand-off (then nothing frees the prefill's blocks before the lease).
                     self.release_blocks()
-                raise (RequestDeadline("the request did not finish within its deadline")
-                       if seconds_left(self.req.deadline) <= 0 else StageTimeout(
-                           "the decode engine did not answer in time")) from None
+                if seconds_left(self.req.deadline) <= 0:
+                    raise RequestDeadline("the request did not finish within its deadline"
+                                          ) from None
+                self._pool.stalled(decode)
+                raise StageTimeout("the decode engine did not answer in time") from None
         self.answered = True
         if stream.status != 200:
             raise from_engine_error(stream.status, await stream.read_and_close())

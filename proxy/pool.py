@@ -11,12 +11,7 @@ Membership is fixed (dev mode: the urls in the config) or reconciled from a dire
 whose url changed (restarted elsewhere) is replaced, and a vanished one leaves. Draining engines
 finish what they have but get nothing new (scale-down: ``proxy/scale_down.py``).
 
-An engine's ``role`` is what it can do: ``prefill`` (a KV producer), ``decode`` (a consumer,
-which also computes prompts itself on the local route) or ``both`` (vLLM's ``kv_both``: either,
-per request). Its ``duties`` are what it is asked to do now: its role's, or for a ``both``
-engine whatever the deployment assigns (the layout at start; :meth:`EnginePool.assign` at run
-time, which may also cordon an engine of a fixed role: no duty, nothing new). ``prefill`` and
-``decode`` list the engines by duty; :meth:`pairs` lists every pair that could hand KV over
+Roles and duties: ``proxy/engine.py``. :meth:`pairs` lists every pair that could hand KV over
 (prefill-capable to decode-capable, never an engine to itself).
 """
 
@@ -28,17 +23,20 @@ import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from proxy import probes
 from proxy.duties import assigned_duties
 from proxy.engine import BOTH, Duty, EndpointInfo, Engine, Role
 from proxy.engine_client import EngineClient, EngineTimeout, EngineUnreachable
 from proxy.metrics import ProxyMetrics
 from proxy.pair_health import Handover, PairHealth
+from proxy.stalls import stalled
 from transport.kv_events import AllCleared
 
 __all__ = ["BOTH", "Duty", "EndpointInfo", "Engine", "EnginePool", "Role"]
 
 log = logging.getLogger(__name__)
-SLOW_PROBES_TO_MARK_DOWN = 3
+
+
 def _no_cost(engine: Engine) -> float:
     return 0.0
 
@@ -66,7 +64,7 @@ class EnginePool:
                 engine.events_endpoint = (endpoints[i] if i < len(endpoints) else None) or None
                 self.engines.append(engine)
         self._metrics = metrics
-        self._health_timeout_s = health_timeout_s
+        self.health_timeout_s = health_timeout_s
         self._picks = 0
         #: Pairs whose KV pulls fail are left out of the prefill picks (``proxy/pair_health.py``).
         self.pair_health = PairHealth()
@@ -74,6 +72,8 @@ class EnginePool:
         self._waiting: set[str] = set()  # engines with a look waiting for its turn
         #: Called when an engine comes up (first probe, after a restart, a new one joined).
         self.on_up: Callable[[Engine], None] | None = None
+        #: The model a silent engine is asked to generate with (``proxy/stalls.py``).
+        self.probe_model: str | None = None
 
     def all(self) -> list[Engine]:
         return list(self.engines)
@@ -119,7 +119,7 @@ class EnginePool:
                    or (e.client.base_url, e.instance) != (wanted[e.name].url.rstrip("/"),
                                                           wanted[e.name].instance)]
         for e in removed:
-            self._set_health(e, False)
+            self.set_health(e, False)
             self.engines.remove(e)
             if e.name not in wanted:  # gone (restarted, it keeps its name and its series)
                 self._metrics.forget_engine(e.name)
@@ -178,11 +178,17 @@ class EnginePool:
     def mark_down(self, engine: Engine) -> None:
         if engine.healthy:
             log.warning("engine %s (%s) marked down", engine.name, engine.role)
-        self._set_health(engine, False)
+        self.set_health(engine, False)
         # A restarted engine comes back with an empty cache.
         engine.index.apply([AllCleared()])
 
-    def _set_health(self, engine: Engine, healthy: bool) -> None:
+    def stalled(self, engine: Engine) -> None:
+        """A request's wait on ``engine`` ran out: enough in a row, and it is marked down as
+        silent (``proxy/stalls.py``)."""
+        if self.probe_model is not None and stalled(engine):
+            self.mark_down(engine)
+
+    def set_health(self, engine: Engine, healthy: bool) -> None:
         came_up = healthy and not engine.healthy
         if came_up:
             log.info("engine %s (%s) is up", engine.name, engine.role)
@@ -190,6 +196,7 @@ class EnginePool:
         if engine.healthy and not healthy:
             self._release(engine)
         engine.healthy = healthy
+        engine.silent = engine.silent and not healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
         if engine in self.engines:  # (one that left, marked down by a late failure: no series)
             self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)
@@ -214,7 +221,7 @@ class EnginePool:
         async with engine.looking:
             self._waiting.discard(engine.name)
             start = self.pair_health.look_begins(engine.name, time.monotonic())
-            status, text = await engine.client.get_text("/metrics", self._health_timeout_s)
+            status, text = await engine.client.get_text("/metrics", self.health_timeout_s)
             if status != 200:
                 return
             failed = engine.update_load(text)
@@ -245,49 +252,11 @@ class EnginePool:
             await self.look(engine)
 
     async def probe(self, engine: Engine) -> bool:
-        """Health check, then a look at the engine's own metrics. Raises nothing (but a cancel):
-        anything unforeseen is logged and the probe failed, so that one engine's odd answer
-        cannot stop the probing of the others."""
-        try:
-            status, _ = await engine.client.get_text("/health", self._health_timeout_s)
-            ok = status == 200
-            if ok:
-                await self.look(engine)
-        except EngineUnreachable:
-            ok = False
-        except EngineTimeout:
-            # A busy engine can answer a probe late; only a run of slow probes takes it out
-            # (a refused connection or a failed request still marks it down at once). Its
-            # kernel still accepts a new connection, though: when not even that opens, the
-            # engine is cut off (a partition, a host gone silent), and it is down now.
-            engine.slow_probes += 1
-            if (engine.healthy and engine.slow_probes < SLOW_PROBES_TO_MARK_DOWN
-                    and await engine.client.connects(self._health_timeout_s)):
-                return True
-            ok = False
-        except Exception:
-            log.exception("probe of engine %s failed; counted as a failed look", engine.name)
-            ok = False
-        else:
-            engine.slow_probes = 0
-        self._set_health(engine, ok)
-        return ok
+        """One health probe (``proxy/probes.py``); whether the engine is up after it."""
+        return await probes.probe(self, engine)
 
     async def run_health_loop(self, interval_s: float) -> None:
-        """Probe every engine each ``interval_s`` (the caller has probed them once already),
-        each at its own pace: a probe that waits out the health timeout delays only its own
-        engine's next one, never the others'."""
-        probing: dict[Engine, asyncio.Task] = {}
-        try:
-            while True:
-                await asyncio.sleep(interval_s)
-                probing = {e: task for e, task in probing.items() if not task.done()}
-                for e in self.all():
-                    if e not in probing:
-                        probing[e] = asyncio.create_task(self.probe(e))
-        finally:
-            for task in probing.values():
-                task.cancel()
+        await probes.run_health_loop(self, interval_s)
 
 
 def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str

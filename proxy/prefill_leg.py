@@ -65,6 +65,7 @@ class PrefillLeg:
                     raise from_engine_error(reply.status, reply.body)
                 if reply.status != 200:
                     return self._fallback("prefill_error")
+                prefill.stalls = 0  # it generated (``proxy/stalls.py``)
                 handoff = kv_params.parse_prefill_json(reply.body)
                 tracker.work_done(work, time.perf_counter(),
                                   prefill_tokens=handoff.num_prompt_tokens - handoff.cached_tokens)
@@ -77,6 +78,7 @@ class PrefillLeg:
                 if seconds_left(req.deadline) <= 0:  # (no time left to compute it locally)
                     raise RequestDeadline("the request did not finish within its deadline"
                                           ) from None
+                self.pool.stalled(prefill)
                 return self._fallback("prefill_timeout")
             except kv_params.HandoffError:
                 return self._fallback("bad_handoff")

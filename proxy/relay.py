@@ -47,6 +47,7 @@ async def whole_reply(leg: DecodeLeg, metrics, pool) -> bytes:
     except TimeoutError:
         raise RequestDeadline("the request did not finish within its deadline") from None
     except EngineTimeout:
+        pool.stalled(leg.decode)
         raise DecodeStalled("the decode engine stalled while answering",
                             engine=leg.decode.name) from None
     except Exception as exc:
@@ -58,6 +59,7 @@ async def whole_reply(leg: DecodeLeg, metrics, pool) -> bytes:
         stream.close()
         leg.claim.release()
         leg.ended(time.perf_counter())  # (its pull is over)
+    leg.decode.stalls = 0  # it generated (``proxy/stalls.py``)
     # A whole reply has no first-token time: only its total is recorded.
     metrics.stage_seconds.labels("total", leg.route).observe(
         time.perf_counter() - leg.trace.t_start)
@@ -85,6 +87,7 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
             else:
                 yield chunk
             tail = (tail + chunk)[-32:]
+            engine.stalls = 0  # it generates (``proxy/stalls.py``)
             leg.frames(time.perf_counter(), tokens_in(chunk))
         if _DONE not in tail:
             raise EngineUnreachable("decode stream ended without [DONE]")
@@ -98,6 +101,8 @@ async def relay(leg: DecodeLeg, stream: EngineStream, deadline: float, metrics, 
         lost = isinstance(exc, EngineUnreachable)
         if lost and not stream.moved:  # (moved: cut by a drain, the engine answers still)
             pool.mark_down(leg.decode)
+        elif not lost:
+            pool.stalled(leg.decode)
         yield (DecodeLost("the decode engine failed mid-stream", engine=leg.decode.name)
                if lost else DecodeStalled("the decode engine stalled mid-stream",
                                           engine=leg.decode.name))

@@ -102,6 +102,7 @@ class ProxyService:
         prompts = (await TokenizerPool.start(config.tokenizer, config.tokenizer_workers,
                                              config.tokenizer_inline_chars)
                    if config.tokenizer else None)
+        pool.probe_model = config.served_model_names[0]  # (a silent engine's probe)
         service = cls(config, directory, scaler, session, pool, prompts, metrics,
                       zmq.asyncio.Context())
         try:

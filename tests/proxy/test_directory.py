@@ -278,7 +278,7 @@ def test_an_engine_gone_for_good_leaves_no_series_behind():
              EndpointInfo("decode-1", "decode", "http://127.0.0.1:3")]
     pool.reconcile(infos, Client)
     for e in pool.all():
-        pool._set_health(e, True)
+        pool.set_health(e, True)
     for decode in ("decode-0", "decode-1"):
         metrics.handover_seconds.labels("prefill-0", decode).observe(0.01)
         metrics.kv_moved_bytes_total.labels("prefill-0", decode).inc(1e6)

@@ -21,7 +21,8 @@ import pytest
 from proxy.engine import EngineLost
 from proxy.engine_client import EngineTimeout
 from proxy.metrics import ProxyMetrics
-from proxy.pool import SLOW_PROBES_TO_MARK_DOWN, EnginePool
+from proxy.pool import EnginePool
+from proxy.probes import SLOW_PROBES_TO_MARK_DOWN
 
 
 class SlowClient:

@@ -234,7 +234,7 @@ async def test_an_engine_coming_back_up_is_picked_again_at_once():
     client.failed = 1
     await pool.probe(decode)
     pool.mark_down(pool.get("p1"))
-    pool._set_health(pool.get("p1"), True)  # (what a good probe does: a restart came up)
+    pool.set_health(pool.get("p1"), True)  # (what a good probe does: a restart came up)
     assert {pool.pick_prefill(exclude=decode).name for _ in range(4)} == {"p0", "p1"}
 
 

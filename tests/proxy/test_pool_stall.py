@@ -8,8 +8,8 @@ import pytest
 
 from proxy.policy import CostInputs, PolicyMode, RouteInputs, Targets, decide, predict
 from proxy.route_predict import predict_prefill_gap
-from transport.cost import LinkModel, PrefillModel, StepModel
 from tests.proxy.test_routing import Named, request
+from transport.cost import LinkModel, PrefillModel, StepModel
 
 AUTO = PolicyMode("auto")
 # Steps of 5 ms + 0.25 ms a prompt token + 0.5 ms a stream: a 1,000-token prompt in 512-token

@@ -149,7 +149,7 @@ async def test_an_engine_up_only_once_the_start_up_warm_up_began_is_warmed_too(
     service = service_of(pool)
     task = asyncio.create_task(service._warm_up())
     await at_start.wait()
-    pool._set_health(late, True)  # its first probe answers
+    pool.set_health(late, True)  # its first probe answers
     release.set()
     await task
     await asyncio.gather(*service._tasks)  # the warm-up of decode-1
@@ -238,10 +238,10 @@ async def test_a_flapping_engine_is_warmed_once_at_a_time_and_warming_until_the_
     warm_ups: list[asyncio.Task] = []
     pool.on_up = lambda e: warm_ups.append(
         asyncio.create_task(warmup.warm_up_engine(pool, e, "m")))
-    pool._set_health(decode, True)
+    pool.set_health(decode, True)
     await started.get()
     pool.mark_down(decode)  # it flapped: down (a failed request), up (the next probe)
-    pool._set_health(decode, True)
+    pool.set_health(decode, True)
     last = await started.get()
     assert len(running) == 1 and warm_ups[0].done()
     assert await warm_ups[0] is False  # replaced: ended, quietly

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from proxy.costs import RouteCosts
-from proxy.worst_gap import WorstGapFit
 from proxy.policy import CostInputs, RouteInputs, predict_gaps
 from proxy.step_tracker import KEEP_DONE_S, StepTracker
+from proxy.worst_gap import WorstGapFit
 from transport.cost import LinkModel, PrefillModel, StepModel
 
 

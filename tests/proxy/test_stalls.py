@@ -1,0 +1,78 @@
+"""An engine core hung behind a live API server (``proxy/stalls.py``): its /health answers, its
+requests stall. Two stalls in a row with nothing generated between mark it down; its probes
+then ask for one generated token, and it is up again once it generates.
+
+The real counterpart: ``tests/layouts/test_migration_e2e.py`` (``core_frozen``: a vLLM engine
+core SIGSTOPped, its API server alive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from harness.fake_engine import FakeEngine
+from harness.live_proxy import wait_until
+from proxy.engine import Engine
+from proxy.stalls import STALLS_TO_MARK_DOWN, stalled
+from tests.proxy.test_migration import events, text_of
+from tests.proxy.test_proxy_app import COMPLETIONS_PATH, SHORT_S, completions_body, metric, proxy
+
+TOKENS = ("The", " quick", " brown", " fox", ".")
+
+
+def test_stalls_in_a_row_make_an_engine_silent_once_and_output_starts_the_count_again():
+    engine = Engine("decode", None)  # type: ignore[arg-type]
+    assert [stalled(engine) for _ in range(STALLS_TO_MARK_DOWN - 1)] == [False] * (
+        STALLS_TO_MARK_DOWN - 1)
+    engine.stalls = 0  # what a relayed chunk does
+    assert not stalled(engine) and not engine.silent
+    assert stalled(engine) is (STALLS_TO_MARK_DOWN == 2) and engine.silent
+    assert not stalled(engine)  # once
+
+
+async def healthy(client: httpx.AsyncClient, name: str) -> bool:
+    return (await client.get("/pd/costs")).json()["engines"][name]["healthy"]
+
+
+def real_requests(engine: FakeEngine) -> int:
+    """The engine's requests but the silent-engine probes' ("ping", one token)."""
+    return sum(r.body.get("prompt") != "ping" for r in engine.decode_requests)
+
+
+async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_around(
+        decode: FakeEngine, decode2: FakeEngine):
+    """decode-0's core hangs: its /health answers, its streams send headers and then nothing.
+    Its first two streams stall past the idle deadline (each continues on decode-1); then it is
+    marked down though its /health answers, and the requests after go to decode-1 with no
+    stall. Its probes ask it for a token; once its core runs again it is back up. Without the
+    mark-down every other request would keep stalling there (checked: this test fails)."""
+    for e in (decode, decode2):
+        e.stream_tokens = TOKENS
+    decode.core_hung = asyncio.Event()
+    async with proxy(None, decode, decode_urls=(decode.url, decode2.url),
+                     idle_deadline_s=SHORT_S, health_interval_s=0.05) as client:
+        assert await healthy(client, "decode-0")
+        for _ in range(4 * STALLS_TO_MARK_DOWN):  # (ties rotate: decode-0 gets its share)
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+            assert resp.status_code == 200 and text_of(events(resp.content)) == "".join(TOKENS)
+            if real_requests(decode) == STALLS_TO_MARK_DOWN:
+                break
+        assert real_requests(decode) == STALLS_TO_MARK_DOWN
+        stalls = await metric(client, "pd_migrations_total", reason="decode_timeout")
+        assert stalls == STALLS_TO_MARK_DOWN
+        assert not await healthy(client, "decode-0")
+        checks = decode.health_checks
+        await wait_until(lambda: len(decode.decode_requests) > STALLS_TO_MARK_DOWN,
+                         "a silent engine probed for a token")
+        assert not await healthy(client, "decode-0")  # its probe waits on the hung core
+        for _ in range(4):
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+            assert resp.status_code == 200
+        assert real_requests(decode) == STALLS_TO_MARK_DOWN
+        assert await metric(client, "pd_migrations_total", reason="decode_timeout") == stalls
+        assert decode.health_checks == checks  # (its /health, which answers, is not asked)
+        decode.core_hung.set()
+        await wait_until(lambda: decode.health_checks > checks, "probed by /health again")
+        assert await healthy(client, "decode-0")
