@@ -4,7 +4,9 @@
 every stream completes, its text equal to the same stream's uninterrupted run (a migrated
 stream may differ after the switch: ``harness.greedy_streams``), and the proxy counts the
 migrations. The killed engine is restarted by dev mode's supervisor, and so is the frozen one,
-killed first by the supervisor as hung (``--hang-timeout-s``). Each test starts by waiting
+killed first by the supervisor as hung (``--hang-timeout-s``). An engine core frozen alone
+behind its live API server is neither killed nor restarted: the proxy routes around it, and it
+serves again once it runs. Each test starts by waiting
 until the proxy sees both engines healthy (the one killed before it may still be restarting);
 the package runs these tests last (``conftest.py``), so no other test waits for a restart.
 """
@@ -17,6 +19,7 @@ import os
 import signal
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -24,7 +27,7 @@ from harness.engine_io import proxy_metric
 from harness.greedy_streams import differing, greedy_streams, not_one_stream
 from harness.prompts import text_of_tokens
 from harness.routes import costs, wait_for
-from tests.layouts.conftest import HANG_TIMEOUT_S
+from tests.layouts.conftest import HANG_TIMEOUT_S, IDLE_DEADLINE_S
 from tests.layouts.test_layouts import route
 
 STREAMS = 8
@@ -32,7 +35,7 @@ MAX_TOKENS = 192
 VICTIM = "engine-0"
 
 
-@pytest.mark.parametrize("kill", ["stall", "engine_core", "engine"])
+@pytest.mark.parametrize("kill", ["stall", "core_frozen", "engine_core", "engine"])
 def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(pool_stack, kill):
     """``engine``: the whole engine SIGKILLed (its connections drop); ``engine_core``: only its
     vLLM engine core (an out-of-memory kill or a device fault does this), whose API server
@@ -40,11 +43,19 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
     whole engine SIGSTOPped (a hung host: its kernel still accepts connections, nothing
     answers). The proxy marks a stalled engine down after three slow health probes and cuts
     its streams then, so they continue on the other engine well before the idle deadline
-    (60 s here) would have noticed. It stays frozen: the supervisor kills it as hung once its
-    /health went unanswered past ``--hang-timeout-s`` (not before), and restarts it."""
+    (25 s here) would have noticed. It stays frozen: the supervisor kills it as hung once its
+    /health went unanswered past ``--hang-timeout-s`` (not before), and restarts it.
+    ``core_frozen``: only its engine core SIGSTOPped; its API server answers /health (vLLM asks
+    only whether its engine client has errored), so neither probes nor the supervisor see it.
+    Its streams stall past the idle deadline and continue on the other engine; two stalls mark
+    it down (``proxy/stalls.py``), and new requests go to the other engine although its /health
+    answers. Its core let run again, it generates and is back up, never restarted."""
     stack = pool_stack
-    reason = "decode_error" if kill == "engine_core" else "decode_lost"
-    stopped: list[int] = []
+    # A frozen core's streams stall (the first ones), or are cut when it is marked down (lost).
+    reasons = {"engine_core": ("decode_error",),
+               "core_frozen": ("decode_timeout", "decode_lost")}.get(kill, ("decode_lost",))
+    stopped: list[int] = []  # process groups SIGSTOPped
+    cores: list[psutil.Process] = []  # engine cores SIGSTOPped
     frozen: list[tuple[psutil.Process, float]] = []  # the group's leader, when
     wait_for(lambda: all(e["healthy"] for e in costs(stack)["engines"].values()),
              "both engines healthy (one killed before may be restarting)", timeout_s=240)
@@ -68,16 +79,19 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
             return
         (core,) = [p for p in psutil.Process(pgid).children(recursive=True)  # (under the
                    if p.name().startswith("VLLM::EngineCor")]  # reaper that leads the group)
+        if kill == "core_frozen":
+            core.suspend()
+            cores.append(core)
+            return
         core.kill()
 
     reference = run()
     assert all(r.finish == "length" for r in reference)
-    before = proxy_metric(stack.proxy_url, "pd_migrations_total", reason=reason)
+    before = migrations(stack, reasons)
     route(stack, policy="auto", prefill=[], decode=["engine-0", "engine-1"])  # idle again
     try:
         killed = run(kill_victim)
-        migrated = proxy_metric(stack.proxy_url, "pd_migrations_total",
-                                reason=reason) - before
+        migrated = migrations(stack, reasons) - before
         gaps = sorted(round(max(r.gaps()), 3) for r in killed)
         print(f"migrated {migrated:.0f} of {STREAMS} streams; longest gap per stream (s): {gaps}")
         assert migrated >= 1, "no stream was on the killed engine"
@@ -89,16 +103,45 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
         differ = differing(reference, killed)
         print(f"texts equal to the uninterrupted run's: {STREAMS - len(differ)} of {STREAMS}")
         assert len(differ) <= migrated, differ  # only a migrated one may differ (see differing)
-        if kill == "stall":  # cut at the mark-down, not at the idle deadline (60 s)
-            assert max(gaps) < 30, gaps
+        if kill == "stall":  # cut at the mark-down (~9 s), not at the idle deadline
+            assert max(gaps) < IDLE_DEADLINE_S - 5, gaps
             killed_after = hung_engine_killed(*frozen[0])
             print(f"the frozen engine killed as hung {killed_after:.1f}s after it froze")
             wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
                      "the engine killed as hung restarted", timeout_s=240)
+        if kill == "core_frozen":
+            routed_around_while_its_health_answers(stack, cores[0])
     finally:
+        for core in cores:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                core.resume()
         for pgid in stopped:
             with contextlib.suppress(ProcessLookupError):  # (killed as hung)
                 os.killpg(pgid, signal.SIGCONT)
+
+
+def migrations(stack, reasons: tuple[str, ...]) -> float:
+    return sum(proxy_metric(stack.proxy_url, "pd_migrations_total", reason=r) for r in reasons)
+
+
+def routed_around_while_its_health_answers(stack, core: psutil.Process) -> None:
+    """The victim's core is frozen: the proxy has it down while its /health answers 200, new
+    streams all complete on the other engine (none stalls: no new migration), and once its
+    core runs it is up again (its probe's token generated), the same process throughout."""
+    url = costs(stack)["engines"][VICTIM]["url"]
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert not costs(stack)["engines"][VICTIM]["healthy"]
+    stalled_or_cut = ("decode_timeout", "decode_lost")
+    before = migrations(stack, stalled_or_cut)
+    prompts = [text_of_tokens(20, seed=400 + i) for i in range(4)]
+    after = asyncio.run(greedy_streams(stack.proxy_url, stack.model_name, prompts, 16))
+    assert [r.finish for r in after] == ["length"] * len(prompts)
+    assert migrations(stack, stalled_or_cut) == before
+    assert not costs(stack)["engines"][VICTIM]["healthy"]
+    core.resume()
+    wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
+             "the engine whose core runs again back up", timeout_s=60)
+    assert core.is_running() and core.status() != psutil.STATUS_STOPPED
 
 
 def hung_engine_killed(leader: psutil.Process, since: float) -> float:
