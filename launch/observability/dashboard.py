@@ -94,7 +94,10 @@ PANELS: tuple[Panel, ...] = (
         rates("pd_client_disconnects_total", "stage"), rates("pd_rejected_total", "type"))),
     Panel("Engines up", "short", (
         ("max by (role, engine) (pd_engine_up)", "{{role}} {{engine}} (proxy's probe)"),
-        ('max by (pd_engine) (up{role!="proxy"})', "{{pd_engine}} (scrape)"))),
+        ('max by (pd_engine) (up{role!="proxy"})', "{{pd_engine}} (scrape)"),
+        ("sum by (role) (pd_engine_replacements_total)", "{{role}} engines replaced")),
+          "Up by the proxy's probes and by Prometheus's scrapes; engines started in place of "
+          "engines dead for good since the proxy started (Ray mode)."),
     Panel("Proxy: in flight and event-loop lag", "short", (
         ("sum(pd_inflight_requests)", "in flight"),
         (f"histogram_quantile(0.99, sum by (le) (rate(pd_event_loop_lag_seconds_bucket[{RATE}])))",
