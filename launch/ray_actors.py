@@ -94,22 +94,42 @@ class RayScaler:
         self._unproven: set[str] = set()  # replacements not yet seen ready
         self._deaths: dict[str, int] = {}  # ActorDiedErrors in a row
         self._ready_at: dict[str, float] = {}  # when each was created or last seen ready
+        # Creating a named actor and killing one are blocking calls to Ray's GCS (a minute's
+        # wait with the GCS gone): off the proxy's event loop, on threads of their own.
+        self._calls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ray-scaler")
 
     def create(self, role: str, count: int) -> list[str]:
+        """Start ``count`` engines of ``role`` (blocking: at start-up; the proxy's paths use
+        :meth:`_create`)."""
+        return [self._created(name, self._spawn(name, role, resource), resource)
+                for name, resource in (self._next_of(role) for _ in range(count))]
+
+    async def _create(self, role: str, count: int) -> list[str]:
+        """:meth:`create`, its calls to Ray off the event loop."""
         names = []
         for _ in range(count):
-            name = f"{role}-{self._next[role]}"
-            self._next[role] += 1
-            resource = placement_resource(self._placement, role, [
-                self._resource.get(n) for n in self.handles if role_of(n) == role])
-            self.handles[name] = self._cls.options(
-                name=name, namespace=self._namespace,
-                **actor_resources(self._accelerator, resource)
-            ).remote(name, role, self._template)
-            self._resource[name] = resource
-            self._ready_at[name] = time.monotonic()
-            names.append(name)
+            name, resource = self._next_of(role)
+            handle = await self._off_loop(self._spawn, name, role, resource)
+            names.append(self._created(name, handle, resource))
         return names
+
+    def _next_of(self, role: str) -> tuple[str, str | None]:
+        """A new engine's name, and the placement resource it asks for."""
+        name = f"{role}-{self._next[role]}"
+        self._next[role] += 1
+        return name, placement_resource(self._placement, role, [
+            self._resource.get(n) for n in self.handles if role_of(n) == role])
+
+    def _spawn(self, name: str, role: str, resource: str | None) -> Any:
+        return self._cls.options(name=name, namespace=self._namespace,
+                                 **actor_resources(self._accelerator, resource)
+                                 ).remote(name, role, self._template)
+
+    def _created(self, name: str, handle: Any, resource: str | None) -> str:
+        self.handles[name] = handle
+        self._resource[name] = resource
+        self._ready_at[name] = time.monotonic()
+        return name
 
     async def replicas(self, role: str) -> list[str]:
         """The role's engines, oldest first; those dead for good are stopped first (logged
@@ -148,7 +168,7 @@ class RayScaler:
                       "order, pdserve scale %s N, tries again)", role, plan.strikes[role].count,
                       sum(r.role == role and r.state != "dead" for r in replicas), role, role)
         await self.remove(plan.stop)
-        started = {role: self.create(role, count) for role, count in plan.start.items()}
+        started = {role: await self._create(role, count) for role, count in plan.start.items()}
         for role, new in started.items():
             self._unproven.update(new)
             log.warning("%s: started %s to keep %d engines", role, ", ".join(new),
@@ -181,7 +201,7 @@ class RayScaler:
     async def add(self, role: str, count: int) -> list[str]:
         """An operator's order: also clears the role's crash-loop strikes (replacing again)."""
         self._strikes.pop(role, None)
-        return self.create(role, count)
+        return await self._create(role, count)
 
     async def remove(self, names: Sequence[str]) -> None:
         await asyncio.gather(*(self._stop(n) for n in names))
@@ -200,7 +220,11 @@ class RayScaler:
             await asyncio.wait_for(handle.stop.remote(), 30)
         except Exception as exc:  # noqa: BLE001 - dead or stuck: kill it regardless
             log.warning("stopping %s: %s", name, exc)
-        ray.kill(handle, no_restart=True)
+        await self._off_loop(ray.kill, handle, no_restart=True)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._calls, lambda: fn(*args, **kwargs))
 
     def stop_all(self) -> None:
         """Blocking: stop every engine, then kill the actors (used at shutdown)."""

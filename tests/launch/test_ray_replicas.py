@@ -203,3 +203,43 @@ def test_a_replacement_stuck_starting_is_stopped_and_counted_as_a_strike(scaler,
     scaler.clock[0] += RULE.ready_within_s + 1.0
     assert asyncio.run(scaler.reconcile({"decode": 1})) == {"decode": ["decode-3"]}
     assert scaler._strikes["decode"] == Strikes()
+
+
+def test_ray_calls_to_create_and_kill_actors_leave_the_event_loop_free(scaler):
+    """Creating a named actor and killing one block on Ray's GCS (a minute with it gone): the
+    proxy's loop keeps serving meanwhile. Here each call blocks until the loop itself lets it
+    go; run on the loop, it would wait out its 5 s and say so (checked: both calls on the loop
+    fail this test)."""
+    import threading
+
+    import ray
+
+    gates = {what: (threading.Event(), threading.Event()) for what in ("kill", "create")}
+    waited_out: list[str] = []
+
+    def blocking(what, result):
+        entered, released = gates[what]
+
+        def call(*args, **kwargs):
+            entered.set()
+            if not released.wait(5.0):
+                waited_out.append(what)
+            return result(*args, **kwargs)
+        return call
+
+    scaler.create("decode", 1)
+    scaler.handles["decode-0"].answer = FAILED
+    scaler._spawn = blocking("create", scaler._spawn)
+    ray.kill = blocking("kill", ray.kill)  # (the fixture's fake, restored by its monkeypatch)
+
+    async def main():
+        settling = asyncio.create_task(scaler.reconcile({"decode": 1}))
+        for what in ("kill", "create"):  # decode-0 stopped, then decode-1 started
+            entered, released = gates[what]
+            while not entered.is_set():  # (the fixture's clock stands still: no timed sleep)
+                await asyncio.sleep(0)
+            released.set()  # by the loop, while Ray's call waits
+        return await settling
+
+    assert asyncio.run(main()) == {"decode": ["decode-1"]}
+    assert waited_out == [] and len(scaler.killed) == 1
