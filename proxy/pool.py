@@ -183,10 +183,12 @@ class EnginePool:
         engine.index.apply([AllCleared()])
 
     def stalled(self, engine: Engine) -> None:
-        """A request's wait on ``engine`` ran out: enough in a row, and it is marked down as
-        silent (``proxy/stalls.py``)."""
+        """A request's wait on ``engine`` ran out: enough in a row, and its next probe asks it
+        for a token; none in time, and it is down (``proxy/stalls.py``)."""
         if self.probe_model is not None and stalled(engine):
-            self.mark_down(engine)
+            log.warning("engine %s (%s): %d requests in a row stalled on it, nothing generated "
+                        "in between: its probes now ask it for a token", engine.name,
+                        engine.role, engine.stalls)
 
     def set_health(self, engine: Engine, healthy: bool) -> None:
         came_up = healthy and not engine.healthy
@@ -196,7 +198,6 @@ class EnginePool:
         if engine.healthy and not healthy:
             self._release(engine)
         engine.healthy = healthy
-        engine.silent = engine.silent and not healthy
         engine.consecutive_failures = 0 if healthy else engine.consecutive_failures + 1
         if engine in self.engines:  # (one that left, marked down by a late failure: no series)
             self._metrics.engine_up.labels(engine.role, engine.name).set(1 if healthy else 0)

@@ -1,6 +1,6 @@
 """Health probes: what one probe of an engine asks, and what its answer means.
 
-A probe asks the engine's ``/health`` (or, of an engine marked down as silent, for one
+A probe asks the engine's ``/health`` (or, of an engine whose requests stalled, for one
 generated token: ``proxy/stalls.py``), then reads its metrics (``EnginePool.look``), and sets
 its health. A refused connection or a failed request marks it down at once; a slow answer only
 in a run of :data:`SLOW_PROBES_TO_MARK_DOWN`, or when not even a TCP connection opens. The loop
@@ -31,6 +31,12 @@ async def probe(pool: EnginePool, engine: Engine) -> bool:
     try:
         if engine.silent and pool.probe_model is not None:  # (its /health answers)
             ok = await generates(engine, pool.probe_model)
+            if ok:  # it generates: not hung
+                engine.stalls, engine.silent = 0, False
+            elif engine.healthy:
+                log.warning("engine %s (%s): its requests stalled and it generated no token "
+                            "when asked: marked down (a hung engine core?) until it does",
+                            engine.name, engine.role)
         else:
             status, _ = await engine.client.get_text("/health", pool.health_timeout_s)
             ok = status == 200
@@ -55,6 +61,7 @@ async def probe(pool: EnginePool, engine: Engine) -> bool:
         engine.slow_probes = 0
     pool.set_health(engine, ok)
     return ok
+
 
 async def run_health_loop(pool: EnginePool, interval_s: float) -> None:
     """Probe every engine each ``interval_s`` (the caller has probed them once already),

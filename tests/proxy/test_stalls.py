@@ -1,6 +1,7 @@
 """An engine core hung behind a live API server (``proxy/stalls.py``): its /health answers, its
-requests stall. Two stalls in a row with nothing generated between mark it down; its probes
-then ask for one generated token, and it is up again once it generates.
+requests stall. Two stalls in a row with nothing generated between, and its probes ask it for
+one generated token instead: none in time marks it down, and it is up again once it generates.
+A busy engine that answers the token probe stays up.
 
 The real counterpart: ``tests/layouts/test_migration_e2e.py`` (``core_frozen``: a vLLM engine
 core SIGSTOPped, its API server alive).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from harness.fake_engine import FakeEngine
 from harness.live_proxy import wait_until
@@ -41,13 +43,19 @@ def real_requests(engine: FakeEngine) -> int:
     return sum(r.body.get("prompt") != "ping" for r in engine.decode_requests)
 
 
+@pytest.fixture(autouse=True)
+def quick_token_probes(monkeypatch):
+    monkeypatch.setattr("proxy.stalls.PROBE_TIMEOUT_S", 0.5)
+
+
 async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_around(
         decode: FakeEngine, decode2: FakeEngine):
     """decode-0's core hangs: its /health answers, its streams send headers and then nothing.
-    Its first two streams stall past the idle deadline (each continues on decode-1); then it is
-    marked down though its /health answers, and the requests after go to decode-1 with no
-    stall. Its probes ask it for a token; once its core runs again it is back up. Without the
-    mark-down every other request would keep stalling there (checked: this test fails)."""
+    Its first two streams stall past the idle deadline (each continues on decode-1); then its
+    probe asks for a token, none comes, and it is marked down though its /health answers: the
+    requests after go to decode-1 with no stall. Once its core runs again it generates the
+    probe's token and is back up. Without the mark-down every other request would keep
+    stalling there (checked: this test fails)."""
     for e in (decode, decode2):
         e.stream_tokens = TOKENS
     decode.core_hung = asyncio.Event()
@@ -62,11 +70,11 @@ async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_a
         assert real_requests(decode) == STALLS_TO_MARK_DOWN
         stalls = await metric(client, "pd_migrations_total", reason="decode_timeout")
         assert stalls == STALLS_TO_MARK_DOWN
-        assert not await healthy(client, "decode-0")
-        checks = decode.health_checks
         await wait_until(lambda: len(decode.decode_requests) > STALLS_TO_MARK_DOWN,
                          "a silent engine probed for a token")
-        assert not await healthy(client, "decode-0")  # its probe waits on the hung core
+        pool = client._transport.app.state.pd.pool  # type: ignore[attr-defined]
+        await wait_until(lambda: not pool.get("decode-0").healthy, "marked down, no token")
+        checks = decode.health_checks
         for _ in range(4):
             resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
             assert resp.status_code == 200
@@ -76,3 +84,35 @@ async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_a
         decode.core_hung.set()
         await wait_until(lambda: decode.health_checks > checks, "probed by /health again")
         assert await healthy(client, "decode-0")
+
+
+async def test_a_busy_engine_whose_requests_ran_out_of_time_but_that_generates_stays_up(
+        decode: FakeEngine, decode2: FakeEngine):
+    """Two streams on decode-0 wait past the headers deadline (504 each), nothing generated;
+    but the engine answers the token probe that follows: not hung, never marked down, and its
+    /health asked again after."""
+    decode.decode_gate, decode.decode_gate_after_frames = asyncio.Event(), 0
+
+    async def free_after_two() -> None:  # (the requests already there keep waiting)
+        while real_requests(decode) < STALLS_TO_MARK_DOWN:
+            await asyncio.sleep(0.005)
+        decode.decode_gate = None
+
+    async with proxy(None, decode, decode_urls=(decode.url, decode2.url),
+                     headers_deadline_s=SHORT_S, health_interval_s=0.05) as client:
+        pool = client._transport.app.state.pd.pool  # type: ignore[attr-defined]
+        freeing = asyncio.create_task(free_after_two())
+        statuses = []
+        for _ in range(4 * STALLS_TO_MARK_DOWN):
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+            statuses.append(resp.status_code)
+            if statuses.count(504) == STALLS_TO_MARK_DOWN:
+                break
+        await freeing
+        assert statuses.count(504) == STALLS_TO_MARK_DOWN, statuses
+        await wait_until(lambda: len(decode.decode_requests) > STALLS_TO_MARK_DOWN,
+                         "probed for a token")
+        await wait_until(lambda: not pool.get("decode-0").silent, "its token answered")
+        checks = decode.health_checks
+        await wait_until(lambda: decode.health_checks > checks, "probed by /health again")
+        assert pool.get("decode-0").healthy and pool.get("decode-0").stalls == 0
