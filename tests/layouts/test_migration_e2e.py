@@ -47,9 +47,9 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
     /health went unanswered past ``--hang-timeout-s`` (not before), and restarts it.
     ``core_frozen``: only its engine core SIGSTOPped; its API server answers /health (vLLM asks
     only whether its engine client has errored), so neither probes nor the supervisor see it.
-    Its streams stall past the idle deadline and continue on the other engine; two stalls mark
-    it down (``proxy/stalls.py``), and new requests go to the other engine although its /health
-    answers. Its core let run again, it generates and is back up, never restarted."""
+    Its streams stall past the idle deadline and continue on the other engine; after two
+    stalls its probe asks for a token, none comes within 10 s, and it is marked down
+    (``proxy/stalls.py``): new requests go to the other engine although its /health answers. Its core let run again, it generates and is back up, never restarted."""
     stack = pool_stack
     # A frozen core's streams stall (the first ones), or are cut when it is marked down (lost).
     reasons = {"engine_core": ("decode_error",),
@@ -129,8 +129,9 @@ def routed_around_while_its_health_answers(stack, core: psutil.Process) -> None:
     streams all complete on the other engine (none stalls: no new migration), and once its
     core runs it is up again (its probe's token generated), the same process throughout."""
     url = costs(stack)["engines"][VICTIM]["url"]
+    wait_for(lambda: not costs(stack)["engines"][VICTIM]["healthy"],
+             "marked down: no token from its probe", timeout_s=30)
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    assert not costs(stack)["engines"][VICTIM]["healthy"]
     stalled_or_cut = ("decode_timeout", "decode_lost")
     before = migrations(stack, stalled_or_cut)
     prompts = [text_of_tokens(20, seed=400 + i) for i in range(4)]
