@@ -31,6 +31,7 @@ async def costs(request: Request, service: ProxyService) -> Response:
     view["engines"] = {
         e.name: {"role": e.role, "duties": sorted(e.duties), "url": e.client.base_url,
                  "instance": e.instance, "healthy": e.healthy, "warming": e.warming,
+                 "stalls": e.stalls, "silent": e.silent,
                  "draining": e.draining, "inflight": e.inflight,
                  "load_tokens": service.costs.load_tokens(e.name, e.foreign_requests,
                                                           e.mean_prompt_tokens),

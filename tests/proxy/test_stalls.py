@@ -74,6 +74,9 @@ async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_a
                          "a silent engine probed for a token")
         pool = client._transport.app.state.pd.pool  # type: ignore[attr-defined]
         await wait_until(lambda: not pool.get("decode-0").healthy, "marked down, no token")
+        shown = (await client.get("/pd/costs")).json()["engines"]["decode-0"]
+        assert (shown["healthy"], shown["silent"], shown["stalls"]) == (
+            False, True, STALLS_TO_MARK_DOWN)  # what an operator sees, and why
         checks = decode.health_checks
         for _ in range(4):
             resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
