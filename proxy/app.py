@@ -29,7 +29,7 @@ from starlette.routing import Route
 from proxy import ops_routes as ops
 from proxy.client_io import ClientGone, read_body, serve_unless_disconnected
 from proxy.config import ProxyConfig
-from proxy.directory import Directory, Scaler
+from proxy.directory import Directory, Restarter, Scaler
 from proxy.errors import (
     InternalError,
     InvalidRequest,
@@ -60,13 +60,14 @@ Handler = Callable[[Request, ProxyService], Awaitable[Response]]
 
 
 def create_app(config: ProxyConfig, directory: Directory | None = None,
-               scaler: Scaler | None = None) -> Starlette:
+               scaler: Scaler | None = None, restarter: Restarter | None = None) -> Starlette:
     """The proxy app. ``directory`` adds engines found at run time to the configured ones
-    (Ray mode); ``scaler`` enables ``POST /pd/admin/scale``."""
+    (Ray mode); ``scaler`` enables ``POST /pd/admin/scale``; ``restarter`` restarts an
+    engine whose core hung (``proxy/stalls.py``)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        app.state.pd = await ProxyService.start(config, directory, scaler)
+        app.state.pd = await ProxyService.start(config, directory, scaler, restarter)
         try:
             yield
         finally:

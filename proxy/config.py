@@ -91,6 +91,10 @@ class ProxyConfig(BaseModel):
     #: Times a request may move to another decode engine when its own is lost mid-answer
     #: (``proxy/migration.py``); 0 = never.
     migration_limit: int = Field(default=3, ge=0)
+    #: An engine down because its core hung behind a live API server (``proxy/stalls.py``)
+    #: is restarted after this long down, by the launcher's ``Restarter``; 0 = never (dev and
+    #: Ray mode pass their ``--hang-timeout-s``).
+    hung_restart_s: float = Field(default=0.0, ge=0)
 
     @field_validator("policy")
     @classmethod

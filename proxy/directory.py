@@ -1,7 +1,9 @@
-"""How the proxy learns its engines at run time, and how it asks for more or fewer.
+"""How the proxy learns its engines at run time, how it asks for more or fewer, and how it
+has a hung one restarted.
 
-Dev mode passes fixed urls in the config and needs neither. Ray mode (``launch/ray_actors.py``)
-implements both over Ray actors; the proxy itself never imports Ray.
+Dev mode passes fixed urls in the config and needs neither a directory nor a scaler; its
+restarter is its supervisor's (``launch/supervisor.py``). Ray mode (``launch/ray_actors.py``)
+implements all three over Ray actors; the proxy itself never imports Ray.
 """
 
 from __future__ import annotations
@@ -37,4 +39,11 @@ class Scaler(Protocol):
         """Keep each role at its ``declared`` count: stop the engines dead for good and start
         fresh ones in their place (a crash loop is given up on, and says so in the log);
         return the engines started, by role. Called periodically, never during a scale."""
+        ...
+
+
+class Restarter(Protocol):
+    async def restart(self, name: str, url: str) -> None:
+        """Kill the engine ``name`` at ``url`` so that its launcher starts it afresh (its core
+        is hung behind a live API server: ``proxy/stalls.py``). Returns once asked."""
         ...

@@ -41,6 +41,9 @@ class Engine:
     #: ``proxy/stalls.py``'s limit it is ``silent``: down, its probes a one-token completion.
     stalls: int = 0
     silent: bool = False
+    #: When its token probe failed and it went down for it (monotonic s; None otherwise):
+    #: restarted after ``ProxyConfig.hung_restart_s`` of that (``proxy/stalls.py``).
+    silent_down_at: float | None = None
     #: Requests the engine itself reports running + waiting (from its /metrics, each probe).
     engine_requests: int = 0
     #: Mean prompt tokens of the requests the engine finished lately (all clients), or None.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from proxy.engine import Engine
@@ -32,8 +33,9 @@ async def probe(pool: EnginePool, engine: Engine) -> bool:
         if engine.silent and pool.probe_model is not None:  # (its /health answers)
             ok = await generates(engine, pool.probe_model)
             if ok:  # it generates: not hung
-                engine.stalls, engine.silent = 0, False
+                engine.stalls, engine.silent, engine.silent_down_at = 0, False, None
             elif engine.healthy:
+                engine.silent_down_at = time.monotonic()
                 log.warning("engine %s (%s): its requests stalled and it generated no token "
                             "when asked: marked down (a hung engine core?) until it does",
                             engine.name, engine.role)

@@ -21,7 +21,7 @@ import zmq.asyncio
 from proxy.admission import Admission
 from proxy.config import ProxyConfig
 from proxy.costs import RouteCosts
-from proxy.directory import Directory, Scaler
+from proxy.directory import Directory, Restarter, Scaler
 from proxy.engine_client import EngineClient, new_session
 from proxy.errors import UpstreamError
 from proxy.http1 import Client
@@ -32,6 +32,7 @@ from proxy.orchestrator import Orchestrator
 from proxy.policy import PolicyMode, Targets, parse_policy
 from proxy.pool import BOTH, Engine, EnginePool
 from proxy.scale_down import drain, pick_removals, undrain
+from proxy.stalls import restart_hung
 from proxy.tokenizer_pool import TokenizerPool
 from proxy.warmup import reprobe_links, reprobe_sizes, warm_up_at_start, warm_up_engine
 
@@ -52,6 +53,7 @@ class ProxyService:
         self.config = config
         self.directory = directory
         self.scaler = scaler
+        self.restarter: Restarter | None = None  # (set by :meth:`start`)
         self.session = session
         self.pool = pool
         self.prompts = prompts
@@ -86,7 +88,8 @@ class ProxyService:
 
     @classmethod
     async def start(cls, config: ProxyConfig, directory: Directory | None = None,
-                    scaler: Scaler | None = None) -> ProxyService:
+                    scaler: Scaler | None = None, restarter: Restarter | None = None
+                    ) -> ProxyService:
         metrics = ProxyMetrics()
         session = new_session(config.engine_key)
 
@@ -105,6 +108,7 @@ class ProxyService:
         pool.probe_model = config.served_model_names[0]  # (a silent engine's probe)
         service = cls(config, directory, scaler, session, pool, prompts, metrics,
                       zmq.asyncio.Context())
+        service.restarter = restarter
         try:
             await service._run()
         except BaseException:
@@ -126,6 +130,9 @@ class ProxyService:
             self.pool.run_health_loop(self.config.health_interval_s), "health"))
         if not self.warmed:
             self._tasks.append(self._background(self._warm_up(), "warm-up"))
+        if self.restarter is not None and self.config.hung_restart_s > 0:
+            self._tasks.append(self._background(restart_hung(
+                self.pool.all, self.restarter, self.config.hung_restart_s), "hung engines"))
         # Everything built so far lives as long as the proxy (the app, the tokenizer, the
         # modules under them; ~380k objects when transformers brought torch in). Frozen, the
         # garbage collector no longer walks them: a full collection held the loop 130-180 ms.

@@ -15,17 +15,29 @@ on, as from any engine marked down), and stays down until a probe's token comes.
 answers clears it: a busy engine whose requests ran out of time is not hung (two prompts too
 long for the prefill deadline, say). One stall alone is not enough: a request can stall for
 reasons of its own.
+
+Down that way for ``ProxyConfig.hung_restart_s`` (dev and Ray mode: their ``--hang-timeout-s``),
+the engine is restarted by its launcher (:func:`restart_hung`, through a ``Restarter``:
+``proxy/directory.py``), once per time it went down: a hung core is not coming back by
+itself, and it holds its device and memory meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from proxy.engine_client import EngineTimeout, EngineUnreachable
 
 if TYPE_CHECKING:
+    from proxy.directory import Restarter
     from proxy.engine import Engine
+
+log = logging.getLogger(__name__)
 
 STALLS_TO_MARK_DOWN = 2
 #: The longest a silent engine's probe waits for its token (it is probed again after).
@@ -56,3 +68,31 @@ async def generates(engine: Engine, model: str, timeout_s: float | None = None) 
     except (EngineUnreachable, EngineTimeout):
         return False
     return reply.status == 200
+
+
+def restart_due(engine: Engine, now_s: float, after_s: float) -> bool:
+    """Whether ``engine`` has been down for its hung core (its token probe unanswered) for
+    ``after_s`` by ``now_s``, and not restarted for it yet."""
+    return (engine.silent and not engine.healthy and engine.silent_down_at is not None
+            and now_s - engine.silent_down_at >= after_s)
+
+
+async def restart_hung(engines: Callable[[], Iterable[Engine]], restarter: Restarter,
+                       after_s: float, interval_s: float = 1.0, timeout_s: float = 30.0
+                       ) -> None:
+    """Every ``interval_s``, have each engine :func:`restart_due` restarted (runs until
+    cancelled). A restart that fails is logged; the engine is not asked for again until it
+    goes down for a hung core once more."""
+    while True:
+        await asyncio.sleep(interval_s)
+        for engine in list(engines()):
+            if not restart_due(engine, time.monotonic(), after_s):
+                continue
+            engine.silent_down_at = None  # (asked once)
+            log.error("engine %s (%s): its core hung (no token for %.0f s, its /health "
+                      "answering): restarting it", engine.name, engine.role, after_s)
+            try:
+                await asyncio.wait_for(restarter.restart(engine.name, engine.client.base_url),
+                                       timeout_s)
+            except Exception:  # noqa: BLE001 - logged; the engine stays down meanwhile
+                log.exception("restarting engine %s failed", engine.name)

@@ -15,9 +15,10 @@ import httpx
 import pytest
 
 from harness.fake_engine import FakeEngine
-from harness.live_proxy import wait_until
+from harness.live_proxy import proxy_config, wait_until
 from proxy.engine import Engine
-from proxy.stalls import STALLS_TO_MARK_DOWN, stalled
+from proxy.app import create_app
+from proxy.stalls import STALLS_TO_MARK_DOWN, restart_due, stalled
 from tests.proxy.test_migration import events, text_of
 from tests.proxy.test_proxy_app import COMPLETIONS_PATH, SHORT_S, completions_body, metric, proxy
 
@@ -119,3 +120,49 @@ async def test_a_busy_engine_whose_requests_ran_out_of_time_but_that_generates_s
         checks = decode.health_checks
         await wait_until(lambda: decode.health_checks > checks, "probed by /health again")
         assert pool.get("decode-0").healthy and pool.get("decode-0").stalls == 0
+
+
+def test_a_restart_is_due_once_the_engine_has_been_down_for_its_hung_core_long_enough():
+    engine = Engine("decode", None)  # type: ignore[arg-type]
+    engine.silent, engine.silent_down_at = True, 100.0
+    assert [restart_due(engine, now, 60.0) for now in (159.9, 160.0)] == [False, True]
+    engine.healthy = True  # (up again: its token came)
+    assert not restart_due(engine, 500.0, 60.0)
+    engine.healthy, engine.silent_down_at = False, None  # down for another cause, or asked
+    assert not restart_due(engine, 500.0, 60.0)
+
+
+class Restarts:
+    """A launcher's restarter: records what it was asked to restart."""
+
+    def __init__(self):
+        self.asked: list[tuple[str, str]] = []
+
+    async def restart(self, name: str, url: str) -> None:
+        self.asked.append((name, url))
+
+
+async def test_an_engine_down_for_its_hung_core_is_restarted_once_after_the_hang_timeout(
+        decode: FakeEngine, decode2: FakeEngine):
+    """decode-0's core hangs: two stalls, no token, down; 0.5 s later (``hung_restart_s``)
+    its launcher is asked to restart it, once; decode-1, busy with nothing, never."""
+    for e in (decode, decode2):
+        e.stream_tokens = TOKENS
+    decode.core_hung = asyncio.Event()
+    restarts = Restarts()
+    config = proxy_config(None, decode, decode_urls=(decode.url, decode2.url),
+                          idle_deadline_s=SHORT_S, health_interval_s=0.05, hung_restart_s=0.5)
+    app = create_app(config, restarter=restarts)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+        pool = app.state.pd.pool
+        for _ in range(4 * STALLS_TO_MARK_DOWN):
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+            assert resp.status_code == 200
+            if real_requests(decode) == STALLS_TO_MARK_DOWN:
+                break
+        await wait_until(lambda: not pool.get("decode-0").healthy, "marked down, no token")
+        assert restarts.asked == []  # (not before its time)
+        await wait_until(lambda: restarts.asked != [], "asked to restart it")
+        await asyncio.sleep(2.5)  # more rounds of the restart loop (1 s apart): asked once
+        assert restarts.asked == [("decode-0", decode.url)]
