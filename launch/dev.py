@@ -155,6 +155,8 @@ def proxy_config(opts: DevOptions, prefill_spec: EngineSpec, decode_spec: Engine
         decode_chunk_tokens=DECODE_CHUNK_TOKENS,
         engine_key=engine_key,
         otlp_traces_endpoint=opts.engines.otlp_traces_endpoint,
+        # An engine whose core hung (proxy/stalls.py) is restarted by the supervisor.
+        hung_restart_s=opts.hang_timeout_s if opts.restart_engines else 0.0,
     )
 
 
@@ -258,8 +260,8 @@ def run_dev(opts: DevOptions) -> int:
             file=sys.stderr,
             flush=True,
         )
-        server = uvicorn.Server(uvicorn_config(create_app(config), config, opts.proxy.host,
-                                               opts.proxy.port))
+        app = create_app(config, restarter=supervisor.restarter() if supervisor else None)
+        server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
         return run_server(server)
     except KeyboardInterrupt:
         return 130

@@ -226,6 +226,20 @@ class RayScaler:
         return await asyncio.get_running_loop().run_in_executor(
             self._calls, lambda: fn(*args, **kwargs))
 
+    async def restart(self, name: str, url: str) -> None:
+        """The proxy's ``Restarter`` (``proxy/directory.py``): kill the engine's actor so that
+        Ray restarts it, and with it a fresh engine (its core hung behind a live /health,
+        which the actor's own watchdog does not see)."""
+        import ray
+
+        handle = self.handles.get(name)
+        if handle is None:
+            log.warning("asked to restart %s (%s): not an engine of this deployment", name, url)
+            return
+        log.error("%s: killing its actor so Ray restarts it (its core hung: the proxy's "
+                  "requests stalled and it generated no token)", name)
+        await self._off_loop(ray.kill, handle, no_restart=False)
+
     def stop_all(self) -> None:
         """Blocking: stop every engine, then kill the actors (used at shutdown)."""
         import ray

@@ -226,6 +226,8 @@ def run_ray(opts: RayOptions) -> int:
             decode_chunk_tokens=DECODE_CHUNK_TOKENS,
             engine_key=key,
             otlp_traces_endpoint=opts.template.engines.otlp_traces_endpoint,
+            # An engine whose core hung (proxy/stalls.py) has its actor killed: Ray restarts it.
+            hung_restart_s=opts.template.hang_timeout_s,
         )
         url = f"http://{opts.proxy.host}:{opts.proxy.port}"
         print(f"\npdserve (ray, {accelerator}: {opts.prefill} prefill x {opts.decode} decode) "
@@ -234,7 +236,7 @@ def run_ray(opts: RayOptions) -> int:
         observer = Observer(opts.observability, url, [
             (i["name"], i["role"], i["url"]) for i in infos])
         directory = ObservedDirectory(RayDirectory(opts.namespace), observer.targets)
-        app = create_app(config, directory=directory, scaler=scaler)
+        app = create_app(config, directory=directory, scaler=scaler, restarter=scaler)
         server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
         return run_server(server)
     except KeyboardInterrupt:

@@ -10,18 +10,21 @@ deaths in a row it is left down with its last log line reported (dev mode keeps 
 can: with the prefill engine down every request is served ``local``). An engine that is alive
 but hung (its ``/health`` unanswered past ``hang_timeout_s``, by the rule of
 ``launch/engine_hang.py``, as Ray mode's watchdog judges it) is killed, and so restarted like
-one that died. Nothing one engine does ends the watch: a failure is logged and the thread
-carries on.
+one that died; so is one whose core the proxy found hung behind a live ``/health``
+(:meth:`Supervisor.restarter`, ``proxy/stalls.py``). Nothing one engine does ends the watch:
+a failure is logged and the thread carries on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections.abc import Callable, MutableSequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from launch.engine_hang import HangDetector
 from launch.isolation import guard
@@ -143,6 +146,23 @@ class Supervisor:
         hang = HangDetector(self._hang_timeout_s) if self._hang_timeout_s > 0 else None
         return _Watch(now, hang=hang)
 
+    def kill_serving(self, url: str) -> bool:
+        """Kill the engine serving ``url`` (the proxy found its core hung behind a live API
+        server, which no hang check of its /health sees), so that it is restarted like one
+        that died. False when no live engine serves ``url``."""
+        port = urlsplit(url).port
+        for engine in list(self.engines):
+            if engine.spec.port == port and engine.alive():
+                log.error("%s: killing it to restart it (its core hung: the proxy's requests "
+                          "stalled and it generated no token)", engine.name)
+                stop_engines([engine], grace_s=0.0)
+                return True
+        return False
+
+    def restarter(self) -> _Restarter:
+        """The proxy's ``Restarter`` (``proxy/directory.py``) over :meth:`kill_serving`."""
+        return _Restarter(self)
+
     def _died(self, engine: EngineProcess, watch: _Watch, now: float, quick: bool) -> bool:
         """Count a death; schedule the restart (True) or leave the engine down (False)."""
         watch.quick_deaths = watch.quick_deaths + 1 if quick else 1
@@ -153,3 +173,12 @@ class Supervisor:
             return False
         watch.retry_at = now + min(30.0, 2.0 ** (watch.quick_deaths - 1))
         return True
+
+
+class _Restarter:
+    def __init__(self, supervisor: Supervisor):
+        self._supervisor = supervisor
+
+    async def restart(self, name: str, url: str) -> None:
+        if not await asyncio.to_thread(self._supervisor.kill_serving, url):
+            log.warning("asked to restart %s (%s): no live engine serves it", name, url)

@@ -243,3 +243,16 @@ def test_ray_calls_to_create_and_kill_actors_leave_the_event_loop_free(scaler):
 
     assert asyncio.run(main()) == {"decode": ["decode-1"]}
     assert waited_out == [] and len(scaler.killed) == 1
+
+
+def test_the_proxy_restarts_an_engine_whose_core_hung_by_killing_its_actor_for_ray_to_restart(
+        scaler, monkeypatch):
+    import ray
+
+    kills: list[tuple[object, bool]] = []
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: kills.append((h, no_restart)))
+    scaler.create("decode", 2)
+    asyncio.run(scaler.restart("decode-1", "http://10.0.0.2:8101"))
+    assert kills == [(scaler.handles["decode-1"], False)]  # Ray restarts it: a fresh engine
+    asyncio.run(scaler.restart("decode-7", "http://10.0.0.2:8107"))  # not one of ours
+    assert len(kills) == 1 and sorted(scaler.handles) == ["decode-0", "decode-1"]

@@ -336,3 +336,36 @@ def test_an_engine_alive_but_hung_is_killed_after_the_hang_timeout_and_restarted
     finally:
         for e in (hung, *started):
             e.popen.kill()
+
+
+def test_the_engine_whose_core_the_proxy_found_hung_is_killed_and_restarted(tmp_path):
+    """The proxy's restarter (its core hung behind a live /health: ``proxy/stalls.py``) kills
+    the engine serving that url, and the supervisor restarts it like one that died; another
+    url kills nothing."""
+    import asyncio
+    import signal
+
+    started: list[EngineProcess] = []
+
+    def start(dead: EngineProcess) -> EngineProcess:
+        started.append(proc(RUNS, dead.spec.role))
+        return started[-1]
+
+    engines = [proc(RUNS, "prefill"), proc(RUNS, "decode")]
+    engines[0].spec.port, engines[0].spec.url = 8100, "http://127.0.0.1:8100"
+    engines[1].spec.port, engines[1].spec.url = 8101, "http://127.0.0.1:8101"
+    sup = Supervisor(engines, tmp_path, start=start, quick_s=0.0)
+    hung = engines[1]
+    try:
+        asyncio.run(sup.restarter().restart("decode-0", "http://127.0.0.1:9999"))
+        assert engines[0].alive() and hung.alive()
+        asyncio.run(sup.restarter().restart("decode-0", "http://127.0.0.1:8101"))
+        assert engines[0].alive() and not hung.alive()
+        assert hung.popen.returncode in (-signal.SIGTERM, -signal.SIGKILL)
+        t = time.monotonic()
+        sup.check(1, t)  # found dead: restarted after its pause
+        sup.check(1, t + 1.01)
+        assert len(started) == 1 and engines[1] is started[0] and sup.restarts == 1
+    finally:
+        for e in (*engines, hung, *started):
+            e.popen.kill()

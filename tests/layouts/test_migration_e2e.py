@@ -5,8 +5,8 @@ every stream completes, its text equal to the same stream's uninterrupted run (a
 stream may differ after the switch: ``harness.greedy_streams``), and the proxy counts the
 migrations. The killed engine is restarted by dev mode's supervisor, and so is the frozen one,
 killed first by the supervisor as hung (``--hang-timeout-s``). An engine core frozen alone
-behind its live API server is neither killed nor restarted: the proxy routes around it, and it
-serves again once it runs. Each test starts by waiting
+behind its live API server is routed around by the proxy, which has the supervisor restart
+it after the same timeout. Each test starts by waiting
 until the proxy sees both engines healthy (the one killed before it may still be restarting);
 the package runs these tests last (``conftest.py``), so no other test waits for a restart.
 """
@@ -46,10 +46,12 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
     (25 s here) would have noticed. It stays frozen: the supervisor kills it as hung once its
     /health went unanswered past ``--hang-timeout-s`` (not before), and restarts it.
     ``core_frozen``: only its engine core SIGSTOPped; its API server answers /health (vLLM asks
-    only whether its engine client has errored), so neither probes nor the supervisor see it.
-    Its streams stall past the idle deadline and continue on the other engine; after two
-    stalls its probe asks for a token, none comes within 10 s, and it is marked down
-    (``proxy/stalls.py``): new requests go to the other engine although its /health answers. Its core let run again, it generates and is back up, never restarted."""
+    only whether its engine client has errored), so neither probes nor the supervisor's hang
+    check see it. Its streams stall past the idle deadline and continue on the other engine;
+    after two stalls its probe asks for a token, none comes within 10 s, and it is marked down
+    (``proxy/stalls.py``): new requests go to the other engine although its /health answers.
+    Down so for ``--hang-timeout-s``, the supervisor kills it at the proxy's word and restarts
+    it."""
     stack = pool_stack
     # A frozen core's streams stall (the first ones), or are cut when it is marked down (lost).
     reasons = {"engine_core": ("decode_error",),
@@ -110,7 +112,7 @@ def test_streams_of_a_killed_engine_continue_on_the_other_with_the_same_text(poo
             wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
                      "the engine killed as hung restarted", timeout_s=240)
         if kill == "core_frozen":
-            routed_around_while_its_health_answers(stack, cores[0])
+            routed_around_then_restarted(stack, cores[0])
     finally:
         for core in cores:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -124,25 +126,35 @@ def migrations(stack, reasons: tuple[str, ...]) -> float:
     return sum(proxy_metric(stack.proxy_url, "pd_migrations_total", reason=r) for r in reasons)
 
 
-def routed_around_while_its_health_answers(stack, core: psutil.Process) -> None:
-    """The victim's core is frozen: the proxy has it down while its /health answers 200, new
-    streams all complete on the other engine (none stalls: no new migration), and once its
-    core runs it is up again (its probe's token generated), the same process throughout."""
+def routed_around_then_restarted(stack, core: psutil.Process) -> None:
+    """The victim's core is frozen: the proxy has it down while its /health answers 200, and
+    new streams all complete on the other engine (none stalls: no new migration). Down that
+    way for ``--hang-timeout-s``, it is killed by dev mode's supervisor at the proxy's word
+    (not before), and restarted: a new process, up again."""
     url = costs(stack)["engines"][VICTIM]["url"]
     wait_for(lambda: not costs(stack)["engines"][VICTIM]["healthy"],
              "marked down: no token from its probe", timeout_s=30)
+    down_at = time.monotonic()
+    shown = costs(stack)["engines"][VICTIM]
+    assert shown["silent"] and shown["stalls"] >= 2, shown
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+    (pid,) = [e["pid"] for e in stack.run_info()["engines"] if e["url"] == url]
     stalled_or_cut = ("decode_timeout", "decode_lost")
     before = migrations(stack, stalled_or_cut)
     prompts = [text_of_tokens(20, seed=400 + i) for i in range(4)]
     after = asyncio.run(greedy_streams(stack.proxy_url, stack.model_name, prompts, 16))
     assert [r.finish for r in after] == ["length"] * len(prompts)
     assert migrations(stack, stalled_or_cut) == before
-    assert not costs(stack)["engines"][VICTIM]["healthy"]
-    core.resume()
+    while core.is_running() and core.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() - down_at < HANG_TIMEOUT_S + 30, "the hung core was not killed"
+        time.sleep(0.5)
+    killed_after = time.monotonic() - down_at
+    print(f"the engine with the hung core killed {killed_after:.1f}s after it was marked down")
+    assert killed_after > HANG_TIMEOUT_S - 1.5, killed_after  # (down_at seen up to 1 s late)
     wait_for(lambda: costs(stack)["engines"][VICTIM]["healthy"],
-             "the engine whose core runs again back up", timeout_s=60)
-    assert core.is_running() and core.status() != psutil.STATUS_STOPPED
+             "the engine whose core hung restarted and up", timeout_s=240)
+    (restarted,) = [e["pid"] for e in stack.run_info()["engines"] if e["url"] == url]
+    assert restarted != pid
 
 
 def hung_engine_killed(leader: psutil.Process, since: float) -> float:
