@@ -260,7 +260,7 @@ def run_dev(opts: DevOptions) -> int:
             file=sys.stderr,
             flush=True,
         )
-        app = create_app(config, restarter=supervisor.restarter() if supervisor else None)
+        app = create_app(config, restarter=supervisor)
         server = uvicorn.Server(uvicorn_config(app, config, opts.proxy.host, opts.proxy.port))
         return run_server(server)
     except KeyboardInterrupt:

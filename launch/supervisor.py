@@ -11,7 +11,7 @@ can: with the prefill engine down every request is served ``local``). An engine 
 but hung (its ``/health`` unanswered past ``hang_timeout_s``, by the rule of
 ``launch/engine_hang.py``, as Ray mode's watchdog judges it) is killed, and so restarted like
 one that died; so is one whose core the proxy found hung behind a live ``/health``
-(:meth:`Supervisor.restarter`, ``proxy/stalls.py``). Nothing one engine does ends the watch:
+(:meth:`Supervisor.restart`, ``proxy/stalls.py``). Nothing one engine does ends the watch:
 a failure is logged and the thread carries on.
 """
 
@@ -159,9 +159,11 @@ class Supervisor:
                 return True
         return False
 
-    def restarter(self) -> _Restarter:
-        """The proxy's ``Restarter`` (``proxy/directory.py``) over :meth:`kill_serving`."""
-        return _Restarter(self)
+    async def restart(self, name: str, url: str) -> None:
+        """The proxy's ``Restarter`` (``proxy/directory.py``): :meth:`kill_serving`, off the
+        proxy's event loop."""
+        if not await asyncio.to_thread(self.kill_serving, url):
+            log.warning("asked to restart %s (%s): no live engine serves it", name, url)
 
     def _died(self, engine: EngineProcess, watch: _Watch, now: float, quick: bool) -> bool:
         """Count a death; schedule the restart (True) or leave the engine down (False)."""
@@ -174,11 +176,3 @@ class Supervisor:
         watch.retry_at = now + min(30.0, 2.0 ** (watch.quick_deaths - 1))
         return True
 
-
-class _Restarter:
-    def __init__(self, supervisor: Supervisor):
-        self._supervisor = supervisor
-
-    async def restart(self, name: str, url: str) -> None:
-        if not await asyncio.to_thread(self._supervisor.kill_serving, url):
-            log.warning("asked to restart %s (%s): no live engine serves it", name, url)

@@ -357,9 +357,9 @@ def test_the_engine_whose_core_the_proxy_found_hung_is_killed_and_restarted(tmp_
     sup = Supervisor(engines, tmp_path, start=start, quick_s=0.0)
     hung = engines[1]
     try:
-        asyncio.run(sup.restarter().restart("decode-0", "http://127.0.0.1:9999"))
+        asyncio.run(sup.restart("decode-0", "http://127.0.0.1:9999"))
         assert engines[0].alive() and hung.alive()
-        asyncio.run(sup.restarter().restart("decode-0", "http://127.0.0.1:8101"))
+        asyncio.run(sup.restart("decode-0", "http://127.0.0.1:8101"))
         assert engines[0].alive() and not hung.alive()
         assert hung.popen.returncode in (-signal.SIGTERM, -signal.SIGKILL)
         t = time.monotonic()

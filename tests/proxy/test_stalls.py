@@ -44,6 +44,17 @@ def real_requests(engine: FakeEngine) -> int:
     return sum(r.body.get("prompt") != "ping" for r in engine.decode_requests)
 
 
+async def stall_on(client: httpx.AsyncClient, hung: FakeEngine) -> None:
+    """Stream until ``hung`` has had its two requests (ties rotate: it gets its share); each
+    stream completes, the stalled ones continued on the other engine."""
+    for _ in range(4 * STALLS_TO_MARK_DOWN):
+        resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+        assert resp.status_code == 200 and text_of(events(resp.content)) == "".join(TOKENS)
+        if real_requests(hung) == STALLS_TO_MARK_DOWN:
+            break
+    assert real_requests(hung) == STALLS_TO_MARK_DOWN
+
+
 @pytest.fixture(autouse=True)
 def quick_token_probes(monkeypatch):
     monkeypatch.setattr("proxy.stalls.PROBE_TIMEOUT_S", 0.5)
@@ -63,12 +74,7 @@ async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_a
     async with proxy(None, decode, decode_urls=(decode.url, decode2.url),
                      idle_deadline_s=SHORT_S, health_interval_s=0.05) as client:
         assert await healthy(client, "decode-0")
-        for _ in range(4 * STALLS_TO_MARK_DOWN):  # (ties rotate: decode-0 gets its share)
-            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
-            assert resp.status_code == 200 and text_of(events(resp.content)) == "".join(TOKENS)
-            if real_requests(decode) == STALLS_TO_MARK_DOWN:
-                break
-        assert real_requests(decode) == STALLS_TO_MARK_DOWN
+        await stall_on(client, decode)
         stalls = await metric(client, "pd_migrations_total", reason="decode_timeout")
         assert stalls == STALLS_TO_MARK_DOWN
         await wait_until(lambda: len(decode.decode_requests) > STALLS_TO_MARK_DOWN,
@@ -156,11 +162,7 @@ async def test_an_engine_down_for_its_hung_core_is_restarted_once_after_the_hang
     async with app.router.lifespan_context(app), httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
         pool = app.state.pd.pool
-        for _ in range(4 * STALLS_TO_MARK_DOWN):
-            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
-            assert resp.status_code == 200
-            if real_requests(decode) == STALLS_TO_MARK_DOWN:
-                break
+        await stall_on(client, decode)
         await wait_until(lambda: not pool.get("decode-0").healthy, "marked down, no token")
         assert restarts.asked == []  # (not before its time)
         await wait_until(lambda: restarts.asked != [], "asked to restart it")
