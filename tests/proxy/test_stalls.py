@@ -16,8 +16,8 @@ import pytest
 
 from harness.fake_engine import FakeEngine
 from harness.live_proxy import proxy_config, wait_until
-from proxy.engine import Engine
 from proxy.app import create_app
+from proxy.engine import Engine
 from proxy.stalls import STALLS_TO_MARK_DOWN, restart_due, stalled
 from tests.proxy.test_migration import events, text_of
 from tests.proxy.test_proxy_app import COMPLETIONS_PATH, SHORT_S, completions_body, metric, proxy
