@@ -87,6 +87,8 @@ class FakeEngine:
     #: Content tokens of each decode stream (one SSE frame each), and the pause between frames.
     stream_tokens: tuple[str, ...] = STREAM_TOKENS
     decode_frame_interval_s: float = 0.0
+    #: A streaming decode's wait between its headers and its first frame (its prefill).
+    decode_first_frame_s: float = 0.0
 
     # --- what happened ---
     prefill_requests: list[Recorded] = field(default_factory=list)
@@ -272,6 +274,8 @@ class FakeEngine:
         await resp.prepare(request)
         if hung is not None:
             await hung.wait()
+        if self.decode_first_frame_s:
+            await asyncio.sleep(self.decode_first_frame_s)
         sent = bytearray()
         slot = len(self.sent_streams)  # streams may interleave: each updates its own entry
         self.sent_streams.append(b"")

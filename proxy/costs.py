@@ -19,6 +19,7 @@ from proxy.ledger import Ledger
 from proxy.policy import CostInputs
 from proxy.step_fit import StepFit
 from proxy.step_tracker import Arrival, StepTracker
+from proxy.ttft_correction import TtftCorrection, size_class
 from proxy.worst_gap import WorstGapFit
 from transport.cost import LinkModel, PrefillModel, StepModel
 
@@ -61,16 +62,19 @@ class RouteCosts:
         self._links: dict[tuple[str, str], LinkFit] = defaultdict(
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
+        #: Each (engine or pair, route, prompt size class)'s TTFT correction factor.
+        self._ttft: dict[tuple[str, str, int], TtftCorrection] = defaultdict(TtftCorrection)
         #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
         self.typical_prompt_tokens = 512
 
     # -- snapshot for the decision -------------------------------------------------------------
     def inputs(self, prefill: str | None, decode: str, prefill_foreign_requests: int = 0,
                decode_foreign_requests: int = 0, prefill_mean_prompt_tokens: float | None = None,
-               ) -> CostInputs:
+               prompt_tokens: int | None = None) -> CostInputs:
         """Snapshot for one decision. ``*_foreign_requests``: requests the engine reports
         running or waiting beyond this proxy's own (other clients, other proxies); each is
-        costed as a prompt of the engine's recent mean size (or the typical size seen here)."""
+        costed as a prompt of the engine's recent mean size (or the typical size seen here).
+        ``prompt_tokens``: the request's size, for its routes' TTFT corrections (none without)."""
         local = self._local[decode].model()
         step = self.step_model(decode)
         typical = self.typical_prompt_tokens
@@ -78,10 +82,13 @@ class RouteCosts:
             decode_foreign_requests * local.seconds(typical)
         )
         foreign_size = int(prefill_mean_prompt_tokens or typical)
+        correction = (1.0, 1.0) if prompt_tokens is None else (
+            self.ttft_correction("disaggregated", prefill, decode, prompt_tokens),
+            self.ttft_correction("local", None, decode, prompt_tokens))
         if prefill is None:
             return CostInputs(self.kv_bytes_per_token, PREFILL_PRIOR, local, LINK_PRIOR,
                               decode_queue_s=decode_queue_s, decode_step=step,
-                              chunk_tokens=self.chunk_tokens)
+                              chunk_tokens=self.chunk_tokens, ttft_correction=correction)
         remote = self._remote[prefill].model()
         return CostInputs(
             kv_bytes_per_token=self.kv_bytes_per_token,
@@ -93,6 +100,7 @@ class RouteCosts:
             decode_queue_s=decode_queue_s,
             decode_step=step,
             chunk_tokens=self.chunk_tokens,
+            ttft_correction=correction,
         )
 
     def link_samples(self, prefill: str, decode: str) -> int:
@@ -185,6 +193,19 @@ class RouteCosts:
     def observe_handover(self, prefill: str, decode: str, tokens: int, seconds: float) -> None:
         self._links[(prefill, decode)].observe(tokens, seconds)
 
+    def observe_ttft(self, route: str, prefill: str | None, decode: str, prompt_tokens: int,
+                     measured_over_predicted: float) -> None:
+        """A request routed ``route`` (to ``prefill`` -> ``decode``, or computed on ``decode``)
+        took this many times its predicted TTFT."""
+        self._ttft[_ttft_key(route, prefill, decode, prompt_tokens)].observe(
+            measured_over_predicted)
+
+    def ttft_correction(self, route: str, prefill: str | None, decode: str,
+                        prompt_tokens: int) -> float:
+        """The factor on ``route``'s predicted TTFT for a prompt of that size there."""
+        key = _ttft_key(route, prefill, decode, prompt_tokens)
+        return self._ttft[key].factor if key in self._ttft else 1.0
+
     def observe_prompt(self, chars: int, tokens: int) -> None:
         self.token_ratio.observe(chars, tokens)
         self.typical_prompt_tokens = int(0.9 * self.typical_prompt_tokens + 0.1 * tokens)
@@ -205,6 +226,15 @@ class RouteCosts:
                 "worst_gap_samples": {r: self._worst[(e, r)].n_samples for r in ROUTES
                                       if (e, r) in self._worst}}
                 for e, f in self._steps.items()},
+            "ttft_correction": {f"{route}|{where}|{1 << max(0, 2 * size - 1)}+": {
+                "factor": round(c.factor, 3), "samples": c.samples}
+                for (where, route, size), c in self._ttft.items()},
             "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
             "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},
         }
+
+
+def _ttft_key(route: str, prefill: str | None, decode: str, prompt_tokens: int
+              ) -> tuple[str, str, int]:
+    where = f"{prefill}->{decode}" if route == "disaggregated" else decode
+    return where, route, size_class(prompt_tokens)

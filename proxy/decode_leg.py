@@ -201,6 +201,10 @@ class DecodeLeg:
         predicted = plan.decision.predicted_s() if self.route == plan.decision.route else None
         if predicted:
             self._metrics.ttft_prediction_ratio.labels(self.route).observe(ttft / predicted)
+            if self.decode is plan.decode:  # (not a retry elsewhere: another engine's time)
+                prefill = plan.prefill.name if plan.prefill is not None else None
+                self._costs.observe_ttft(self.route, prefill, self.decode.name,
+                                         plan.prompt_tokens, ttft / predicted)
         if self.handoff is not None and plan.prefill is not None:
             handover = now - trace.t_handoff
             self._metrics.stage_seconds.labels("handover", self.route).observe(handover)

@@ -122,7 +122,7 @@ def route_inputs(costs: RouteCosts, decode: Engine, prefill: Engine | None, toke
     inputs = costs.inputs(
         prefill.name if prefill else None, decode.name,
         prefill.foreign_requests if prefill else 0, decode.foreign_requests,
-        prefill.mean_prompt_tokens if prefill else None,
+        prefill.mean_prompt_tokens if prefill else None, prompt_tokens=tokens,
     )
     gap_target = targets is not None and targets.itl_s is not None
     room, arriving = costs.ledger.exposure(decode.name, now)

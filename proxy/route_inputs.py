@@ -29,6 +29,9 @@ class CostInputs:
     #: The prefill engine's step time, when streams decode there too (an engine of the one-pool
     #: layout serves both roles): a prompt prefilled there stalls them as a local one would.
     prefill_step: StepModel | None = None
+    #: Each route's TTFT correction factor, measured ÷ predicted as learned from the requests
+    #: routed that way (``proxy/ttft_correction.py``): (disaggregated, local).
+    ttft_correction: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,14 @@ def predict(inputs: RouteInputs, costs: CostInputs) -> tuple[float, float]:
     remote = costs.remote_prefill.seconds(remote_new) + sum(
         _beside_streams(costs.prefill_step, inputs.prefill_streams, remote_new, chunk)
         for chunk in (0, costs.chunk_tokens))
-    disagg = max(costs.prefill_queue_s + remote, costs.decode_queue_s) + costs.link.seconds(
-        moved, costs.kv_bytes_per_token)
-    local = costs.decode_queue_s + costs.local_prefill.seconds(local_new) + _beside_streams(
-        costs.decode_step, inputs.streams, local_new, 0)
+    # Each route's factor: what its requests measured against the model (``ttft_correction``).
+    to_disagg, to_local = costs.ttft_correction
+    disagg = to_disagg * (max(costs.prefill_queue_s + remote, costs.decode_queue_s)
+                          + costs.link.seconds(moved, costs.kv_bytes_per_token))
+    local = to_local * (costs.decode_queue_s + costs.local_prefill.seconds(local_new)
+                        + _beside_streams(costs.decode_step, inputs.streams, local_new, 0))
     streams, _ = exposure(inputs, local)  # the ones that decode while its chunks run
-    local += _beside_streams(costs.decode_step, streams, local_new, costs.chunk_tokens)
+    local += to_local * _beside_streams(costs.decode_step, streams, local_new, costs.chunk_tokens)
     return disagg, local
 
 
