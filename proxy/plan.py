@@ -86,7 +86,8 @@ def make_plan(req: ApiRequest, *, pool: EnginePool, costs: RouteCosts, policy: P
 
     if decode is None and prefill is None and _picks_pairs(pool, policy, targets):
         usable = pool.usable("decode")
-        warm = [d for d in usable if not d.warming] or usable  # (as ``pick_decode``)
+        usable = [d for d in usable if not d.silent] or usable  # (as ``pick_decode``)
+        warm = [d for d in usable if not d.warming] or usable
         options = [PairOption(d, p, decided(d, p), streams_exposed(costs, d), decode_work(d))
                    for d in warm for p in [pool.cheapest_prefill(prefill_work, exclude=d)]]
         if not options:

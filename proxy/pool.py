@@ -262,9 +262,11 @@ class EnginePool:
 
 def _cheapest(engines: Sequence[Engine], cost: Callable[[Engine], float], duty: str
               ) -> Engine | None:
-    """Warmed up before warming; then lowest ``cost``; then fewest of this proxy's requests in
-    flight; then picked longest ago."""
+    """Not suspect before suspect (a ``silent`` engine, its requests stalled, until its token
+    probe answers: ``proxy/stalls.py``); warmed up before warming; then lowest ``cost``; then
+    fewest of this proxy's requests in flight; then picked longest ago."""
     usable = [e for e in engines if e.healthy and not e.draining]
     if not usable:
         return None
-    return min(usable, key=lambda e: (e.warming, cost(e), e.inflight, e.last_pick.get(duty, 0)))
+    return min(usable, key=lambda e: (e.silent, e.warming, cost(e), e.inflight,
+                                      e.last_pick.get(duty, 0)))

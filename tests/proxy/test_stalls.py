@@ -96,6 +96,31 @@ async def test_an_engine_whose_core_hangs_behind_a_live_health_check_is_routed_a
         assert await healthy(client, "decode-0")
 
 
+async def test_a_suspect_engine_gets_no_new_request_while_its_token_probe_waits(
+        decode: FakeEngine, decode2: FakeEngine, monkeypatch):
+    """Between decode-0's second stall and its token probe's answer (here a probe that waits
+    30 s) it is still up, and suspect: the new requests go to decode-1, none stalls. Ties
+    rotating would have sent every other one there, to wait out the idle deadline (checked:
+    this test fails with the suspect engine picked as any other)."""
+    monkeypatch.setattr("proxy.stalls.PROBE_TIMEOUT_S", 30.0)
+    for e in (decode, decode2):
+        e.stream_tokens = TOKENS
+    decode.core_hung = asyncio.Event()
+    async with proxy(None, decode, decode_urls=(decode.url, decode2.url),
+                     idle_deadline_s=SHORT_S, health_interval_s=0.05) as client:
+        await stall_on(client, decode)
+        pool = client._transport.app.state.pd.pool  # type: ignore[attr-defined]
+        assert pool.get("decode-0").silent and pool.get("decode-0").healthy
+        stalls = await metric(client, "pd_migrations_total", reason="decode_timeout")
+        for _ in range(4):
+            resp = await client.post(COMPLETIONS_PATH, json=completions_body(stream=True))
+            assert resp.status_code == 200 and text_of(events(resp.content)) == "".join(TOKENS)
+        assert real_requests(decode) == STALLS_TO_MARK_DOWN
+        assert await metric(client, "pd_migrations_total", reason="decode_timeout") == stalls
+        assert pool.get("decode-0").healthy  # (its probe still waiting: not down yet)
+        decode.core_hung.set()
+
+
 async def test_a_busy_engine_whose_requests_ran_out_of_time_but_that_generates_stays_up(
         decode: FakeEngine, decode2: FakeEngine):
     """Two streams on decode-0 wait past the headers deadline (504 each), nothing generated;
