@@ -74,3 +74,21 @@ async def test_with_streams_on_every_engine_the_prompt_is_computed_where_it_stal
     assert computed_on.name == "e1"
     for claim in claims:
         claim.release()
+
+
+async def test_a_suspect_engine_is_neither_pair_s_decode_engine_while_another_can_be():
+    """e0's requests stalled (suspect, its token probe not answered yet: ``proxy/stalls.py``).
+    Where the pair would have been e0 to decode (it has the streams), e1 decodes instead; with
+    e1 gone, e0 still serves (a suspect engine is the last choice, not none)."""
+    pool, costs_, orch = pool_setup()
+    orch.targets = Targets(ttft_s=10.0, itl_s=0.05)
+    e0, e1 = pool.all()
+    claims = [(await planned_on(orch, e0))[1] for _ in range(2)]
+    long = request(prompt=list(range(100, 500)))
+    assert (await orch.plan(long)).decode.name == "e0"  # (as above)
+    e0.silent = True
+    assert (await orch.plan(long)).decode.name == "e1"
+    e1.healthy = False
+    assert (await orch.plan(long)).decode.name == "e0"
+    for claim in claims:
+        claim.release()
