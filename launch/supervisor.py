@@ -1,6 +1,7 @@
 """Restart dev mode's engines when they die, the way Ray restarts an engine actor.
 
-A background thread looks at each engine twice a second. One that exited while dev mode was
+A background thread per engine looks at it twice a second (a check of one engine can wait
+out its ``/health`` for up to 5 s: it holds up no other engine's). One that exited while dev mode was
 running is started again with the same spec (same ports, so the proxy finds it at the same url;
 the proxy marks it down on its first failed call or probe, and warms the new engine up with its
 peers before routing to it again). An engine that keeps dying soon after starting, or before it
@@ -74,32 +75,39 @@ class Supervisor:
         self._watch = {i: self._new_watch(time.monotonic()) for i in range(len(engines))}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+        self._watchers = [threading.Thread(target=self._watch_one, args=(i,), daemon=True,
+                                           name=f"engine-supervisor-{i}")
+                          for i in range(len(engines))]
+        self._restarted = threading.Lock()  # (the count and ``on_restart``: one at a time)
         self.restarts = 0
 
     def start(self) -> Supervisor:
-        self._thread.start()
+        for t in (*self._watchers, self._thread):
+            t.start()
         return self
 
     def stop(self) -> None:
         """Stop watching (before the engines are stopped, so none is restarted meanwhile)."""
         self._stop.set()
-        self._thread.join(10)
+        deadline = time.monotonic() + 10
+        for t in (self._thread, *self._watchers):
+            if t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    def _watch_one(self, i: int) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.check(i, time.monotonic())
+            except Exception:  # one engine's bad moment must not end its watch
+                log.exception("supervising %s failed", self.engines[i].name)
 
     def _run(self) -> None:
-        last_guard = time.monotonic()
-        while not self._stop.wait(self._poll_s):
-            for i in range(len(self.engines)):
-                try:
-                    self.check(i, time.monotonic())
-                except Exception:  # one engine's bad moment must not end everyone's watch
-                    log.exception("supervising %s failed", self.engines[i].name)
-            if time.monotonic() - last_guard >= GUARD_EVERY_S:  # threads that moved themselves
-                last_guard = time.monotonic()
-                try:
-                    guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in self.engines
-                           if e.alive()), log.warning)
-                except Exception:
-                    log.exception("checking the engines' cores failed")
+        while not self._stop.wait(GUARD_EVERY_S):  # threads that moved themselves off their cores
+            try:
+                guard(((e.name, e.popen.pid, e.spec.cpu_cores) for e in self.engines
+                       if e.alive()), log.warning)
+            except Exception:
+                log.exception("checking the engines' cores failed")
 
     def check(self, i: int, now: float) -> None:
         """Look at engine ``i`` at time ``now``: note a death, restart when its pause is over."""
@@ -134,13 +142,14 @@ class Supervisor:
             log.exception("restarting %s failed", engine.name)
             self._died(engine, watch, now, quick=True)
             return
-        self.restarts += 1
         log.warning("%s restarted (pid %d)", engine.name, self.engines[i].popen.pid)
-        if self._on_restart is not None:
-            try:
-                self._on_restart(self.engines)
-            except Exception:
-                log.exception("after restarting %s", engine.name)
+        with self._restarted:
+            self.restarts += 1
+            if self._on_restart is not None:
+                try:
+                    self._on_restart(self.engines)
+                except Exception:
+                    log.exception("after restarting %s", engine.name)
 
     def _new_watch(self, now: float) -> _Watch:
         hang = HangDetector(self._hang_timeout_s) if self._hang_timeout_s > 0 else None

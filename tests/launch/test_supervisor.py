@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -368,4 +369,37 @@ def test_the_engine_whose_core_the_proxy_found_hung_is_killed_and_restarted(tmp_
         assert len(started) == 1 and engines[1] is started[0] and sup.restarts == 1
     finally:
         for e in (*engines, hung, *started):
+            e.popen.kill()
+
+
+def test_an_engine_whose_check_hangs_holds_up_no_other_engine_s_watch(tmp_path):
+    """engine 0's /health check does not return (a hung engine waited out, up to 5 s a check);
+    engine 1 dies meanwhile and is restarted all the same. One thread checked them in turn
+    before, and engine 1's death waited for engine 0's check (checked: this test fails so)."""
+    answer = threading.Event()
+    checking = threading.Event()
+    stuck = proc(RUNS, "prefill")
+
+    def hangs(timeout_s: float = 1.0) -> bool:
+        checking.set()
+        answer.wait(30)
+        return True
+
+    stuck.healthy = hangs  # type: ignore[method-assign]
+    engines = [stuck, proc(RUNS, "decode")]
+    sup = Supervisor(engines, tmp_path, start=lambda d: proc(RUNS, d.spec.role), quick_s=0.0,
+                     poll_s=0.05).start()
+    try:
+        assert checking.wait(10)
+        killed = engines[1]
+        killed.popen.kill()
+        deadline = time.monotonic() + 10
+        while engines[1] is killed:
+            assert time.monotonic() < deadline, "engine 1 not restarted while 0 was checked"
+            time.sleep(0.05)
+        assert engines[1].alive() and not answer.is_set()
+    finally:
+        answer.set()
+        sup.stop()
+        for e in (*engines, killed):
             e.popen.kill()
