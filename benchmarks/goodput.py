@@ -317,7 +317,8 @@ def decisions(proxy: str, prefix: str, n: int) -> list[dict[str, Any] | None]:
                       "gap_ms": e["predicted_gap_ms"][e["route"]],
                       # Both routes' predictions: why the other one lost.
                       "estimate": {"ttft_ms": e["predicted_ttft_ms"],
-                                   "gap_ms": e["predicted_gap_ms"]}}
+                                   "gap_ms": e["predicted_gap_ms"],
+                                   "ttft_correction": e.get("ttft_correction")}}
     return out
 
 

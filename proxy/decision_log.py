@@ -59,6 +59,9 @@ class Entry:
             if targets is not None and targets.any else None,
             "predicted_ttft_ms": {"disaggregated": _ms(d.predicted_disaggregated_s),
                                   "local": _ms(d.predicted_local_s)},
+            # (the factors those predictions include: ``proxy/ttft_correction.py``)
+            "ttft_correction": dict(zip(("disaggregated", "local"),
+                                        (round(f, 3) for f in d.ttft_correction), strict=True)),
             "predicted_gap_ms": {"disaggregated": _ms(d.gap_disaggregated_s),
                                  "local": _ms(d.gap_local_s),
                                  "prefill_engine": _ms(d.gap_prefill_s)},

@@ -97,6 +97,8 @@ class Decision:
     #: pair of engines is picked where engines serve both roles (``proxy/pair_choice.py``).
     over_targets: int = 0
     violation: float = 0.0
+    #: The TTFT correction factors the predictions include (``CostInputs.ttft_correction``).
+    ttft_correction: tuple[float, float] = (1.0, 1.0)
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (

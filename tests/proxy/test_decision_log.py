@@ -18,7 +18,8 @@ class Named:
 
 
 def plan(route: str = "local") -> Plan:
-    decision = Decision(route, "slo_fastest", 0.5, 0.25, 0.03, 0.2, stall_room=2, streams=3)
+    decision = Decision(route, "slo_fastest", 0.5, 0.25, 0.03, 0.2, stall_room=2, streams=3,
+                        ttft_correction=(1.0, 1.25))
     return Plan(decision, Named("p0"), Named("d0"), 400, 100, 36, 16,  # type: ignore[arg-type]
                 Targets(itl_s=0.05))
 
@@ -45,6 +46,7 @@ def test_an_entry_says_what_was_decided_and_what_came_of_it():
         "decode_cached_tokens": 36, "streams": 3, "stall_room": 2, "stalls": 0,
         "targets_ms": {"ttft": None, "itl": 50.0},
         "predicted_ttft_ms": {"disaggregated": 500.0, "local": 250.0},
+        "ttft_correction": {"disaggregated": 1.0, "local": 1.25},
         "predicted_gap_ms": {"disaggregated": 30.0, "local": 200.0, "prefill_engine": None},
         "route_taken": None, "ttft_ms": None}
     trace = Trace(t_start=10.0)

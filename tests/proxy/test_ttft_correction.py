@@ -5,13 +5,14 @@ and applied to that route's prediction."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import httpx
 import pytest
 
 from harness.live_proxy import live_proxy, proxy_config
 from proxy.costs import RouteCosts
-from proxy.policy import CostInputs, RouteInputs, predict
+from proxy.policy import CostInputs, RouteInputs, decide, parse_policy, predict
 from proxy.ttft_correction import FACTOR_RANGE, RATIO_CLIP, WEIGHT, TtftCorrection, size_class
 from tests.proxy.test_stall_budget import engine_name
 from transport.cost import LinkModel, PrefillModel
@@ -89,6 +90,10 @@ def test_each_route_prediction_is_scaled_by_its_factor():
     disagg, local = predict(inputs, costs)
     corrected = CostInputs(**{**vars(costs), "ttft_correction": (2.0, 1.5)})
     assert predict(inputs, corrected) == pytest.approx((2.0 * disagg, 1.5 * local))
+    decision = decide(parse_policy("auto"), replace(inputs, costs=corrected))
+    assert decision.ttft_correction == (2.0, 1.5)  # (what the decision log shows)
+    assert (decision.predicted_disaggregated_s, decision.predicted_local_s) == pytest.approx(
+        (2.0 * disagg, 1.5 * local))
 
 
 async def test_the_proxy_learns_each_local_request_measured_against_its_prediction(
