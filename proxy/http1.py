@@ -12,6 +12,10 @@ Call order: ``await pool.request(...)`` returns once the status line and headers
 closes its connection, which is how vLLM's server learns to abort the request; a response read
 to its end hands its connection back for the next request.
 
+An interim answer (``1xx``: 100 Continue, 103 Early Hints) is skipped for the one that follows;
+a body with neither a length nor chunks ends where the server closes the connection (an HTTP/1.0
+answer, some proxies in between: vLLM's server sends neither).
+
 Errors: :class:`ConnectFailed` (no connection was made: the request surely never arrived) and
 :class:`ConnectionLost` (the connection dropped or answered garbage: it may have arrived).
 Deadlines are the caller's (``asyncio.timeout``); a cancelled request closes its connection.
@@ -138,6 +142,8 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._paused = False
+        self._interim = False  # reading a 1xx answer: the real one follows
+        self._framed = False  # the answer has a length or chunks (else the close ends it)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -153,26 +159,38 @@ class _Connection(asyncio.Protocol):
             self._lose(ConnectionLost(f"bad HTTP from the engine: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        r = self.response
+        if r is not None and exc is None and r.status and not (self._framed or self._interim):
+            r._on_complete()  # a body the close delimits: this is its end
         self._lose(ConnectionLost(f"connection lost: {exc or 'closed by the engine'}"))
 
     # httptools callbacks
+    def on_header(self, name: bytes, _value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
     def on_headers_complete(self) -> None:
-        if self.response is not None:
-            self.response._on_headers(self._parser.get_status_code(),
-                                      self._parser.should_keep_alive())
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            self._interim, self._framed = True, False
+        elif self.response is not None:
+            self.response._on_headers(status, self._parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._on_body(body)
 
     def on_message_complete(self) -> None:
-        if self.response is not None:
+        if self._interim:
+            self._interim = False
+        elif self.response is not None:
             self.response._on_complete()
 
     # used by Pool and Response
     def send(self, data: bytes, response: Response) -> None:
         assert self.transport is not None
         self.response = response
+        self._framed = False
         self.transport.write(data)
 
     def finished(self, response: Response, reusable: bool) -> None:

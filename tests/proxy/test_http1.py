@@ -204,3 +204,71 @@ async def test_a_client_with_credentials_sends_them_on_every_request(serve) -> N
         assert b"authorization: Bearer k3y" in lines and b"x-request-id: r" in lines
     with pytest.raises(ValueError, match="control character"):
         http1.Client("k\r\nx: y").pool("127.0.0.1", server.port)
+
+
+@pytest.mark.parametrize("interim", [
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n"])
+async def test_an_interim_answer_is_skipped_for_the_one_that_follows(serve, interim) -> None:
+    """A 1xx before the answer (some servers and proxies send 100 Continue unasked) is not the
+    answer: before, its status was taken as the reply's and its end as the body's."""
+    async def early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            _, body = await read_request(reader)
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.01)  # (apart: the answer in its own read)
+            writer.write(b"HTTP/1.1 201 Created\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            await writer.drain()
+
+    server = await serve(early)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    for body in (b"first", b"second"):
+        response = await pool.request("POST", "/x", body)
+        try:
+            assert response.status == 201 and await response.read() == body
+        finally:
+            response.close()
+    assert server.connections == 1  # both answers complete: the connection kept
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n",
+                                  b"HTTP/1.0 200 OK\r\n\r\n"])
+async def test_a_body_the_close_delimits_ends_there(serve, head) -> None:
+    """No length and no chunks: the body is what comes until the server closes (before, the
+    close was a lost connection). The next request opens another connection."""
+    async def close_delimited(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(head + b"data: one\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        writer.write(b"data: two\n\n")
+        await writer.drain()
+
+    server = await serve(close_delimited)
+    pool = http1.Client().pool("127.0.0.1", server.port)
+    for _ in range(2):
+        response = await pool.request("POST", "/x", b"{}")
+        try:
+            assert response.status == 200
+            assert await asyncio.wait_for(response.read(), 5) == b"data: one\n\ndata: two\n\n"
+        finally:
+            response.close()
+    assert server.connections == 2
+
+
+async def test_a_body_of_known_length_cut_short_is_still_a_lost_connection(serve) -> None:
+    async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        await writer.drain()
+
+    server = await serve(short)
+    response = await http1.Client().pool("127.0.0.1", server.port).request("POST", "/x", b"{}")
+    try:
+        with pytest.raises(http1.ConnectionLost):
+            await asyncio.wait_for(response.read(), 5)
+    finally:
+        response.close()
