@@ -1,19 +1,19 @@
 """Restart dev mode's engines when they die, the way Ray restarts an engine actor.
 
-A background thread per engine looks at it twice a second (a check of one engine can wait
-out its ``/health`` for up to 5 s: it holds up no other engine's). One that exited while dev mode was
-running is started again with the same spec (same ports, so the proxy finds it at the same url;
-the proxy marks it down on its first failed call or probe, and warms the new engine up with its
-peers before routing to it again). An engine that keeps dying soon after starting, or before it
-ever answered ``/health`` (however long its start-up took), or that cannot be started at all,
+A background thread per engine looks at it twice a second (a check of one engine can wait out
+its ``/health`` for up to 5 s: it holds up no other engine's). One that exited while dev mode
+was running is started again with the same spec (same ports, so the proxy finds it at the same
+url; the proxy marks it down on its first failed call or probe, and warms the new engine up with
+its peers before routing to it again). An engine that keeps dying soon after starting, or before
+it ever answered ``/health`` (however long its start-up took), or that cannot be started at all,
 is in a crash loop: it is restarted with a growing pause, and after ``max_quick_deaths`` such
 deaths in a row it is left down with its last log line reported (dev mode keeps serving what it
 can: with the prefill engine down every request is served ``local``). An engine that is alive
 but hung (its ``/health`` unanswered past ``hang_timeout_s``, by the rule of
 ``launch/engine_hang.py``, as Ray mode's watchdog judges it) is killed, and so restarted like
 one that died; so is one whose core the proxy found hung behind a live ``/health``
-(:meth:`Supervisor.restart`, ``proxy/stalls.py``). Nothing one engine does ends the watch:
-a failure is logged and the thread carries on.
+(:meth:`Supervisor.restart`, ``proxy/stalls.py``). Nothing one engine does ends the watch: a
+failure is logged and the thread carries on.
 """
 
 from __future__ import annotations
