@@ -30,6 +30,17 @@ def wait_dead(e: EngineProcess) -> None:
     e.popen.wait(10)
 
 
+def killed_and_restarted(engines: list[EngineProcess], i: int) -> EngineProcess:
+    """Kill engine ``i`` and wait (10 s at most) for the supervisor to replace it."""
+    killed = engines[i]
+    killed.popen.kill()
+    deadline = time.monotonic() + 10
+    while engines[i] is killed:
+        assert time.monotonic() < deadline, f"engine {i} not restarted"
+        time.sleep(0.05)
+    return killed
+
+
 def test_a_dead_engine_is_restarted_in_place_and_reported(tmp_path):
     started: list[EngineProcess] = []
     written: list[list[int]] = []
@@ -190,12 +201,7 @@ def test_the_thread_restarts_a_killed_engine(tmp_path):
     sup = Supervisor(engines, tmp_path, start=lambda d: proc(RUNS), quick_s=0.0,
                      poll_s=0.05).start()
     try:
-        first = engines[0]
-        first.popen.kill()
-        deadline = time.monotonic() + 10
-        while engines[0] is first:
-            assert time.monotonic() < deadline, "not restarted"
-            time.sleep(0.05)
+        killed_and_restarted(engines, 0)
         assert engines[0].alive()
     finally:
         sup.stop()
@@ -391,13 +397,8 @@ def test_an_engine_whose_check_hangs_holds_up_no_other_engine_s_watch(tmp_path):
                      poll_s=0.05).start()
     try:
         assert checking.wait(10)
-        killed = engines[1]
-        killed.popen.kill()
-        deadline = time.monotonic() + 10
-        while engines[1] is killed:
-            assert time.monotonic() < deadline, "engine 1 not restarted while 0 was checked"
-            time.sleep(0.05)
-        assert engines[1].alive() and not answer.is_set()
+        killed = killed_and_restarted(engines, 1)
+        assert engines[1].alive() and not answer.is_set()  # (0's check still waiting)
     finally:
         answer.set()
         sup.stop()
