@@ -63,7 +63,8 @@ class RouteCosts:
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
         #: Each (engine or pair, route, prompt size class)'s TTFT correction factor.
-        self._ttft: dict[tuple[str, str, int], TtftCorrection] = defaultdict(TtftCorrection)
+        self._ttft: dict[tuple[str | None, str, str, int], TtftCorrection] = defaultdict(
+            TtftCorrection)
         #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
         self.typical_prompt_tokens = 512
 
@@ -203,8 +204,8 @@ class RouteCosts:
     def ttft_correction(self, route: str, prefill: str | None, decode: str,
                         prompt_tokens: int) -> float:
         """The factor on ``route``'s predicted TTFT for a prompt of that size there."""
-        key = _ttft_key(route, prefill, decode, prompt_tokens)
-        return self._ttft[key].factor if key in self._ttft else 1.0
+        c = self._ttft.get(_ttft_key(route, prefill, decode, prompt_tokens))
+        return 1.0 if c is None else c.factor
 
     def observe_prompt(self, chars: int, tokens: int) -> None:
         self.token_ratio.observe(chars, tokens)
@@ -226,15 +227,16 @@ class RouteCosts:
                 "worst_gap_samples": {r: self._worst[(e, r)].n_samples for r in ROUTES
                                       if (e, r) in self._worst}}
                 for e, f in self._steps.items()},
-            "ttft_correction": {f"{route}|{where}|{1 << max(0, 2 * size - 1)}+": {
-                "factor": round(c.factor, 3), "samples": c.samples}
-                for (where, route, size), c in self._ttft.items()},
+            "ttft_correction": {
+                f"{route}|{f'{p}->{d}' if p else d}|{1 << max(0, 2 * size - 1)}+": {
+                    "factor": round(c.factor, 3), "samples": c.samples}
+                for (p, d, route, size), c in self._ttft.items()},
             "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
             "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},
         }
 
 
 def _ttft_key(route: str, prefill: str | None, decode: str, prompt_tokens: int
-              ) -> tuple[str, str, int]:
-    where = f"{prefill}->{decode}" if route == "disaggregated" else decode
-    return where, route, size_class(prompt_tokens)
+              ) -> tuple[str | None, str, str, int]:
+    return (prefill if route == "disaggregated" else None, decode, route,
+            size_class(prompt_tokens))

@@ -27,6 +27,7 @@ WEIGHT = 0.2
 RATIO_CLIP = 4.0
 #: The factor's range: outside it the model itself is wrong, not its calibration.
 FACTOR_RANGE = (1 / 3, 3.0)
+_LOG_RANGE = (math.log(FACTOR_RANGE[0]), math.log(FACTOR_RANGE[1]))
 
 
 def size_class(prompt_tokens: int) -> int:
@@ -39,11 +40,8 @@ class TtftCorrection:
 
     def __init__(self) -> None:
         self._log = 0.0
+        self.factor = 1.0
         self.samples = 0
-
-    @property
-    def factor(self) -> float:
-        return math.exp(self._log)
 
     def observe(self, measured_over_predicted: float) -> None:
         """One request's measured TTFT over the prediction it was routed by (the factor at
@@ -52,6 +50,7 @@ class TtftCorrection:
         if not (math.isfinite(r) and r > 0):
             return
         r = min(max(r, 1 / RATIO_CLIP), RATIO_CLIP)
-        lo, hi = (math.log(x) for x in FACTOR_RANGE)
+        lo, hi = _LOG_RANGE
         self._log = min(max(self._log + WEIGHT * math.log(r), lo), hi)
+        self.factor = math.exp(self._log)
         self.samples += 1
