@@ -62,9 +62,9 @@ class RouteCosts:
         self._links: dict[tuple[str, str], LinkFit] = defaultdict(
             lambda: LinkFit(LINK_PRIOR, kv_bytes_per_token)
         )
-        #: Each (engine or pair, route, prompt size class)'s TTFT correction factor.
-        self._ttft: dict[tuple[str | None, str, str, int], TtftCorrection] = defaultdict(
-            TtftCorrection)
+        #: Each (engine or pair, route, prompt size class, queued)'s TTFT correction factor.
+        self._ttft: dict[tuple[str | None, str, str, int, bool], TtftCorrection] = (
+            defaultdict(TtftCorrection))
         #: EWMA of prompt sizes seen (tokens): the size assumed for requests of unknown size.
         self.typical_prompt_tokens = 512
 
@@ -83,25 +83,25 @@ class RouteCosts:
             decode_foreign_requests * local.seconds(typical)
         )
         foreign_size = int(prefill_mean_prompt_tokens or typical)
+        remote = self._remote[prefill].model() if prefill is not None else PREFILL_PRIOR
+        prefill_queue_s = 0.0 if prefill is None else self.queue_s(prefill, remote) + (
+            prefill_foreign_requests * remote.seconds(foreign_size))
+        # Behind queued prompt work or not: each route's factor for that case.
+        queued = (prefill_queue_s > 0 or decode_queue_s > 0, decode_queue_s > 0)
         correction = (1.0, 1.0) if prompt_tokens is None else (
-            self.ttft_correction("disaggregated", prefill, decode, prompt_tokens),
-            self.ttft_correction("local", None, decode, prompt_tokens))
-        if prefill is None:
-            return CostInputs(self.kv_bytes_per_token, PREFILL_PRIOR, local, LINK_PRIOR,
-                              decode_queue_s=decode_queue_s, decode_step=step,
-                              chunk_tokens=self.chunk_tokens, ttft_correction=correction)
-        remote = self._remote[prefill].model()
+            self.ttft_correction("disaggregated", prefill, decode, prompt_tokens, queued[0]),
+            self.ttft_correction("local", None, decode, prompt_tokens, queued[1]))
         return CostInputs(
             kv_bytes_per_token=self.kv_bytes_per_token,
             remote_prefill=remote,
             local_prefill=local,
-            link=self._links[(prefill, decode)].model(),
-            prefill_queue_s=self.queue_s(prefill, remote)
-            + prefill_foreign_requests * remote.seconds(foreign_size),
+            link=self._links[(prefill, decode)].model() if prefill is not None else LINK_PRIOR,
+            prefill_queue_s=prefill_queue_s,
             decode_queue_s=decode_queue_s,
             decode_step=step,
             chunk_tokens=self.chunk_tokens,
             ttft_correction=correction,
+            ttft_queued=queued,
         )
 
     def link_samples(self, prefill: str, decode: str) -> int:
@@ -195,16 +195,17 @@ class RouteCosts:
         self._links[(prefill, decode)].observe(tokens, seconds)
 
     def observe_ttft(self, route: str, prefill: str | None, decode: str, prompt_tokens: int,
-                     measured_over_predicted: float) -> None:
+                     measured_over_predicted: float, queued: bool = False) -> None:
         """A request routed ``route`` (to ``prefill`` -> ``decode``, or computed on ``decode``)
-        took this many times its predicted TTFT."""
-        self._ttft[_ttft_key(route, prefill, decode, prompt_tokens)].observe(
+        took this many times its predicted TTFT (``queued``: predicted behind prompt work)."""
+        self._ttft[_ttft_key(route, prefill, decode, prompt_tokens, queued)].observe(
             measured_over_predicted)
 
     def ttft_correction(self, route: str, prefill: str | None, decode: str,
-                        prompt_tokens: int) -> float:
-        """The factor on ``route``'s predicted TTFT for a prompt of that size there."""
-        c = self._ttft.get(_ttft_key(route, prefill, decode, prompt_tokens))
+                        prompt_tokens: int, queued: bool = False) -> float:
+        """The factor on ``route``'s predicted TTFT for a prompt of that size there, behind
+        queued prompt work or not."""
+        c = self._ttft.get(_ttft_key(route, prefill, decode, prompt_tokens, queued))
         return 1.0 if c is None else c.factor
 
     def observe_prompt(self, chars: int, tokens: int) -> None:
@@ -228,15 +229,16 @@ class RouteCosts:
                                       if (e, r) in self._worst}}
                 for e, f in self._steps.items()},
             "ttft_correction": {
-                f"{route}|{f'{p}->{d}' if p else d}|{1 << max(0, 2 * size - 1)}+": {
+                f"{route}|{f'{p}->{d}' if p else d}|{1 << max(0, 2 * size - 1)}+"
+                f"{'|queued' if queued else ''}": {
                     "factor": round(c.factor, 3), "samples": c.samples}
-                for (p, d, route, size), c in self._ttft.items()},
+                for (p, d, route, size, queued), c in self._ttft.items()},
             "queued_tokens": {k: v.prompt_tokens for k, v in self.ledger.loads().items()},
             "output_tokens": {k: v.output_tokens for k, v in self.ledger.loads().items()},
         }
 
 
-def _ttft_key(route: str, prefill: str | None, decode: str, prompt_tokens: int
-              ) -> tuple[str | None, str, str, int]:
+def _ttft_key(route: str, prefill: str | None, decode: str, prompt_tokens: int, queued: bool
+              ) -> tuple[str | None, str, str, int, bool]:
     return (prefill if route == "disaggregated" else None, decode, route,
-            size_class(prompt_tokens))
+            size_class(prompt_tokens), queued)

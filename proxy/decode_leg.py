@@ -203,8 +203,9 @@ class DecodeLeg:
             self._metrics.ttft_prediction_ratio.labels(self.route).observe(ttft / predicted)
             if self.decode is plan.decode:  # (not a retry elsewhere: another engine's time)
                 prefill = plan.prefill.name if plan.prefill is not None else None
+                queued = plan.decision.ttft_queued[self.route == "local"]
                 self._costs.observe_ttft(self.route, prefill, self.decode.name,
-                                         plan.prompt_tokens, ttft / predicted)
+                                         plan.prompt_tokens, ttft / predicted, queued)
         if self.handoff is not None and plan.prefill is not None:
             handover = now - trace.t_handoff
             self._metrics.stage_seconds.labels("handover", self.route).observe(handover)

@@ -51,9 +51,9 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
     predicted: tuple[float | None, float | None] = (None, None)
     gaps: tuple[float | None, float | None] = (None, None)
     prefill_gap = None
-    correction = (1.0, 1.0)
+    correction, queued = (1.0, 1.0), (False, False)
     if inputs.costs is not None:
-        correction = inputs.costs.ttft_correction
+        correction, queued = inputs.costs.ttft_correction, inputs.costs.ttft_queued
         predicted = predict(inputs, inputs.costs)
         gaps = predict_gaps(inputs, inputs.costs, predicted)
         prefill_gap = predict_prefill_gap(inputs, inputs.costs)
@@ -62,7 +62,8 @@ def decide(mode: PolicyMode, inputs: RouteInputs) -> Decision:
         ttft = predicted[0] if route == "disaggregated" else predicted[1]
         streams, room = exposure(inputs, ttft)
         return Decision(route, reason, *predicted, *gaps, room, streams=streams,
-                        gap_prefill_s=prefill_gap, ttft_correction=correction)
+                        gap_prefill_s=prefill_gap, ttft_correction=correction,
+                        ttft_queued=queued)
 
     uncached = max(0, inputs.prompt_tokens - inputs.decode_cached_tokens)
     judge = inputs.costs is not None and inputs.targets is not None and inputs.targets.any

@@ -32,6 +32,8 @@ class CostInputs:
     #: Each route's TTFT correction factor, measured ÷ predicted as learned from the requests
     #: routed that way (``proxy/ttft_correction.py``): (disaggregated, local).
     ttft_correction: tuple[float, float] = (1.0, 1.0)
+    #: Whether each route is predicted behind queued prompt work (a factor for each case).
+    ttft_queued: tuple[bool, bool] = (False, False)
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,10 @@ class Decision:
     #: pair of engines is picked where engines serve both roles (``proxy/pair_choice.py``).
     over_targets: int = 0
     violation: float = 0.0
-    #: The TTFT correction factors the predictions include (``CostInputs.ttft_correction``).
+    #: The TTFT correction factors the predictions include (``CostInputs.ttft_correction``),
+    #: and for which case (``CostInputs.ttft_queued``): what the measured TTFT corrects.
     ttft_correction: tuple[float, float] = (1.0, 1.0)
+    ttft_queued: tuple[bool, bool] = (False, False)
 
     def predicted_s(self) -> float | None:
         return self.predicted_disaggregated_s if self.route == "disaggregated" else (

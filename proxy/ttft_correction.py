@@ -11,9 +11,13 @@ box's other engine and the load generator sharing its cores here; on a GPU, a ne
 traffic, clocks, a cache reset) shows in every measured TTFT, so the correction learns from
 all of them.
 
-One factor per (engine or pair, route, prompt size class): a long prompt's ratio is not a short
-one's. Each measured ratio moves the factor by a recency weight in log space (a ratio of 2 and
-one of 1/2 cancel), clipped first, so one request stalled by something else cannot swing it.
+One factor per (engine or pair, route, prompt size class, queued or not): a long prompt's ratio
+is not a short one's, and a prompt predicted behind queued prompt work is mispredicted by that
+queue's model too. (The likeliest reason the first point after the capacity burst of SmolLM2's
+decode-heavy run was over-predicted, 0.81, with one factor for both: it had learned from the
+burst's queued requests.) Each measured ratio moves the factor by a recency weight in log space
+(a ratio of 2 and one of 1/2 cancel), clipped first, so one request stalled by something else
+cannot swing it.
 Plain objects fed by ``observe``; no clock.
 """
 

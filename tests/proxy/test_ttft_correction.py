@@ -14,6 +14,7 @@ from harness.live_proxy import live_proxy, proxy_config
 from proxy.costs import RouteCosts
 from proxy.policy import CostInputs, RouteInputs, decide, parse_policy, predict
 from proxy.ttft_correction import FACTOR_RANGE, RATIO_CLIP, WEIGHT, TtftCorrection, size_class
+from tests.proxy.test_queue_estimate import Named
 from tests.proxy.test_stall_budget import engine_name
 from transport.cost import LinkModel, PrefillModel
 
@@ -79,6 +80,33 @@ def test_route_costs_keep_one_factor_per_route_place_and_size():
     described = costs.describe()["ttft_correction"]
     assert described["local|d|128+"]["samples"] == 30
     assert described["disaggregated|p->d|128+"]["samples"] == 1
+
+
+def test_behind_queued_prompt_work_a_route_has_a_factor_of_its_own():
+    """A burst's queued requests teach the queued factor; the idle requests after it are
+    predicted with the idle one."""
+    costs = RouteCosts(kv_bytes_per_token=1000)
+    for _ in range(30):  # the burst: every request behind others, 2x its prediction
+        costs.observe_ttft("local", None, "d", 128, 2.0 / costs.ttft_correction(
+            "local", None, "d", 128, queued=True), queued=True)
+    assert costs.inputs("p", "d", prompt_tokens=128).ttft_queued == (False, False)
+    assert costs.inputs("p", "d", prompt_tokens=128).ttft_correction == (1.0, 1.0)
+    claim = costs.ledger.claim(Named("d"), prompt_tokens=1000)  # prompt work queued there
+    try:
+        queued = costs.inputs("p", "d", prompt_tokens=128)
+        assert queued.ttft_queued == (True, True)
+        assert queued.ttft_correction[1] == pytest.approx(2.0, rel=0.02)
+        assert queued.ttft_correction[0] == 1.0  # (the disaggregated route's: none learned)
+        decision = decide(parse_policy("auto"), RouteInputs(prompt_tokens=128, costs=queued))
+        assert decision.ttft_queued == (True, True)  # (what the measurement will correct)
+    finally:
+        claim.release()
+    held = costs.ledger.claim(Named("p"), prompt_tokens=1000)  # on the prefill engine only
+    try:
+        assert costs.inputs("p", "d", prompt_tokens=128).ttft_queued == (True, False)
+    finally:
+        held.release()
+    assert "local|d|128+|queued" in costs.describe()["ttft_correction"]
 
 
 def test_each_route_prediction_is_scaled_by_its_factor():
