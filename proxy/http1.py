@@ -36,6 +36,9 @@ __all__ = ["Client", "ConnectFailed", "ConnectionLost", "HttpError", "Pool", "Re
 #: Idle connections older than this are not reused: vLLM's server closes keep-alive
 #: connections after 5 s idle, and a request written into one it is closing would be lost.
 MAX_IDLE_S = 4.0
+#: The headers that frame a body (without either, the close ends it).
+_FRAMING = (b"content-length", b"transfer-encoding")
+_FRAMING_LENGTHS = {len(h) for h in _FRAMING}
 
 
 class _Connection(asyncio.Protocol):
@@ -74,7 +77,7 @@ class _Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, _value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        if len(name) in _FRAMING_LENGTHS and name.lower() in _FRAMING:
             self._framed = True
 
     def on_headers_complete(self) -> None:
