@@ -67,6 +67,7 @@ class HangUpCancels:
     def __init__(self, receive: Receive):
         self._receive = receive
         self._gone = False
+        self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> None:
         task = asyncio.current_task()
@@ -82,7 +83,11 @@ class HangUpCancels:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self._watcher.cancel()
+        # Not kept: the cancelled watcher's exception holds its frame, which holds this object
+        # (a reference cycle per request, left to the garbage collector).
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
         if exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and (
                 self._gone and self._task.uncancel() == 0):
             raise ClientGone() from None

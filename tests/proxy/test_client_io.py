@@ -178,3 +178,29 @@ async def test_an_event_stream_sends_a_failure_as_its_in_band_error_event() -> N
     error = json.loads(bodies[2].split(b"data: ")[1].split(b"\n\n")[0])
     assert error["error"]["type"] == "upstream_error" and bodies[-1] == b""
     assert b"data: [DONE]" in bodies[2]
+
+
+async def test_a_request_s_hang_up_watch_leaves_no_reference_cycle_behind() -> None:
+    """The watcher, cancelled at the end, keeps its CancelledError, whose frame holds the
+    context manager: had the manager kept the watcher, every request would leave a cycle (two
+    here, 17 objects each) for the garbage collector: 203 young-generation collections per
+    3,000 requests of proxy_ab's load against 56 without the cycle (73 ms against 18 ms)."""
+    import gc
+
+    from proxy.client_io import HangUpCancels
+
+    async def served() -> None:
+        request = FakeRequest()
+        async with HangUpCancels(request.receive):
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the watcher takes its cancellation and ends
+
+    await served()  # (first use: whatever is made once)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            await served()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
