@@ -1,6 +1,8 @@
 """The proxy's live cost state: one prefill fit per engine (remote and local prefill), one link
-fit per prefill->decode pair, and the tokens-per-char ratio; the work queued on each engine is
-the ledger's (``proxy/ledger.py``), read here.
+fit per prefill->decode pair, the tokens-per-char ratio, each engine's step model
+(``proxy/step_fit.py``, ``proxy/worst_gap.py``) and each route's TTFT correction factor
+(``proxy/ttft_correction.py``: measured over predicted, per engine or pair, prompt size class and
+queued or not); the work queued on each engine is the ledger's (``proxy/ledger.py``), read here.
 
 Call order per request: ``inputs()`` (snapshot for the pure decision) → work is claimed in the
 ledger → ``observe_*`` with what was measured. Only samples taken while the engine had no other
