@@ -12,9 +12,8 @@ the engines by duty (``EnginePool.prefill``, ``EnginePool.decode``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Literal
 
 from proxy.engine_client import EngineClient, EngineStream
@@ -146,8 +145,7 @@ class Engine:
         proxy's own requests that finished since as somebody else's queue."""
         return self._foreign
 
-    @contextlib.contextmanager
-    def given_up_when_down(self, if_replaced: bool = False) -> Iterator[None]:
+    def given_up_when_down(self, if_replaced: bool = False) -> _GivenUpWhenDown:
         """Wait on the engine inside this block, and stop waiting when it is marked down: the
         block then raises :class:`EngineLost` (its await cancelled, which closes the request and
         makes the engine abort it if it ever reads again). Without this, a request sent to an
@@ -155,20 +153,7 @@ class Engine:
         would wait out its deadline although the proxy already knows the engine is gone.
         ``if_replaced``: only when another engine can take the request over (a decode wait:
         with none, the engine may only be slow, and given up the request would fail)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._waiting[task] = if_replaced
-        try:
-            yield
-        except asyncio.CancelledError:
-            # Not ours, or ours and the client's in the same breath (a cancel still pending
-            # after ours is taken back): the client's wins, the request is aborted.
-            if task not in self._given_up or task.uncancel() > 0:
-                raise
-            raise EngineLost(f"{self.name} was marked down while it had the request") from None
-        finally:
-            self._waiting.pop(task, None)
-            self._given_up.discard(task)
+        return _GivenUpWhenDown(self, if_replaced)
 
     def give_up_waiting(self, replaced: bool) -> None:
         """Make the :meth:`given_up_when_down` blocks waiting on the engine raise EngineLost
@@ -193,3 +178,31 @@ class EndpointInfo:
     kv_events: str | None = None
     #: Changes when the engine is restarted, even at the same url (e.g. "host:pid").
     instance: str = ""
+
+
+class _GivenUpWhenDown:
+    """:meth:`Engine.given_up_when_down`'s block (a class, not a generator-based context
+    manager: it is on every request's path twice)."""
+
+    __slots__ = ("_engine", "_if_replaced", "_task")
+
+    def __init__(self, engine: Engine, if_replaced: bool):
+        self._engine, self._if_replaced = engine, if_replaced
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._engine._waiting[task] = self._if_replaced
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        task, engine = self._task, self._engine
+        engine._waiting.pop(task, None)
+        given_up = task in engine._given_up
+        engine._given_up.discard(task)
+        # Not ours, or ours and the client's in the same breath (a cancel still pending after
+        # ours is taken back): the client's wins, the request is aborted.
+        if (exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and given_up
+                and task.uncancel() == 0):
+            raise EngineLost(f"{engine.name} was marked down while it had the request") from None
