@@ -15,8 +15,8 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -104,7 +104,8 @@ def create_app(config: ProxyConfig, directory: Directory | None = None,
         t_arrival = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + config.total_deadline_s
         service: ProxyService = request.app.state.pd
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # 128 random bits as 32 hex digits (``uuid4().hex``'s form, a quarter of its cost)
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         try:
             check_key(request)
             check_content_type(request.headers.get("content-type"))
