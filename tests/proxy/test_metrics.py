@@ -6,11 +6,17 @@ from __future__ import annotations
 from proxy.metrics import ProxyMetrics
 
 
-def test_a_labelled_child_is_made_once_per_label_values():
+def test_a_labelled_child_is_made_once_per_label_values(monkeypatch):
+    """prometheus_client's ``labels()`` (its checks and lock) runs once per label values."""
     metrics = ProxyMetrics()
+    made: list[tuple[str, ...]] = []
+    inner = metrics.stage_seconds.metric.labels
+    monkeypatch.setattr(metrics.stage_seconds.metric, "labels",
+                        lambda *values: made.append(values) or inner(*values))
     child = metrics.stage_seconds.labels("ttft", "local")
     assert metrics.stage_seconds.labels("ttft", "local") is child
     assert metrics.stage_seconds.labels("ttft", "disaggregated") is not child
+    assert made == [("ttft", "local"), ("ttft", "disaggregated")]
     child.observe(0.5)
     assert metrics.registry.get_sample_value(
         "pd_stage_seconds_count", {"stage": "ttft", "route": "local"}) == 1
