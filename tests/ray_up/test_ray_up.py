@@ -3,7 +3,9 @@ servers this test runs, each a node of its own (``launch/ssh_node.py``: its own 
 process table). The worker node is in a network namespace behind the testbed's veth link
 (``launch/testbed.py``), the head on the link's host side. Ray's autoscaler, on the head,
 starts the worker over SSH, and the worker runs pdserve's setup as shipped (``make setup`` into
-its own ``~/pdserve-venv``, its pip reaching PyPI through ``launch/egress.py``). The deployment
+its own ``~/pdserve-venv``, its pip reaching PyPI through ``launch/egress.py``; its image carries
+a hard-linked copy of this machine's uv package cache, as a node image with a warm cache would,
+so it unpacks no wheel twice: 90 s of CI). The deployment
 puts prefill on the worker and decode on the head, serves a chat completion P/D across the link
 (the `openai` client; the decode engine's NIXL counts the pull), its greedy text equals the head
 alone's, and `ray down` leaves nothing running on either node.
@@ -85,12 +87,22 @@ def nodes(tmp_path):
         # Port 22 in the worker's own netns: the head's autoscaler reaches it with plain SSH
         # (Ray keeps ssh_proxy_command for the launcher only).
         worker = SshNode("worker", link.ns_addr, root / "worker", pub, netns=link.netns,
-                         port=22, egress=egress.url)
+                         port=22, egress=egress.url, package_cache=uv_cache())
         try:
             with head, worker:
                 yield head, worker, key
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def uv_cache() -> Path | None:
+    """This machine's uv package cache (``make setup`` filled it), if there is one."""
+    uv = BIN / "uv"
+    if not uv.exists():
+        return None
+    found = subprocess.run([str(uv), "cache", "dir"], capture_output=True, text=True)
+    path = Path(found.stdout.strip())
+    return path if found.returncode == 0 and path.is_dir() else None
 
 
 def cluster_file(tmp_path: Path, head: SshNode, worker: SshNode, key: Path) -> Path:
@@ -155,6 +167,16 @@ def leftovers() -> list[str]:
     return found
 
 
+def cmdlines(pids: list[int]) -> list[str]:
+    found = []
+    for pid in pids:
+        try:
+            found.append(" ".join(psutil.Process(pid).cmdline())[:80])
+        except psutil.Error:
+            pass
+    return found
+
+
 def ray_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "ray"), *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
@@ -192,7 +214,14 @@ def test_two_node_ray_up_serves_pd_across_nodes_and_ray_down_cleans_up(nodes, tm
     assert not leftovers(), f"another Ray/pdserve is running here: {leftovers()}"
     path = cluster_file(tmp_path, head, worker, key)
     proxy = f"http://127.0.0.1:{PROXY_PORT}"
+    start, phases = time.monotonic(), {}  # seconds from the start to each phase's end (-s)
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - start)
+        print(f"ray up test: {name} at {phases[name]} s", flush=True)
+
     up = ray_cli("up", "-y", "--no-config-cache", str(path), timeout=900)
+    phase("ray up returned")
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         log = head.home / "pdserve.log"
@@ -200,6 +229,7 @@ def test_two_node_ray_up_serves_pd_across_nodes_and_ray_down_cleans_up(nodes, tm
         while http_status(f"{proxy}/health") != 200:
             assert time.monotonic() < deadline, log.read_text()[-3000:] if log.exists() else ""
             time.sleep(2)
+        phase("proxy healthy (worker set up, engines up)")
         # The worker set itself up as shipped, in its own home: the synced source, its venv.
         assert (worker.home / "pdserve-src" / "launch" / "cluster" / "onprem.yaml").exists()
         assert (worker.home / "pdserve-venv" / "bin" / "pdserve").exists()
@@ -230,11 +260,19 @@ def test_two_node_ray_up_serves_pd_across_nodes_and_ray_down_cleans_up(nodes, tm
         assert r.status_code == 200, r.text
         route, alone_text = chat()
         assert route == "local" and alone_text == pd_text
+        phase("served")
     finally:
         down = ray_down(path)
+        phase("ray down returned")
         deadline = time.monotonic() + 180
+        shown = 0.0
         while (leftovers() or worker.pids() or head.pids()) and time.monotonic() < deadline:
+            if time.monotonic() - shown > 10:  # what it waits for (-s)
+                shown = time.monotonic()
+                print(f"ray up test: left {leftovers()} head {cmdlines(head.pids())} "
+                      f"worker {cmdlines(worker.pids())}", flush=True)
             time.sleep(2)
+        phase("nothing left running")
         left = leftovers()
         on_nodes = {"head": head.pids(), "worker": worker.pids()}
         for line in left:  # never leave them behind, even when the test is about to fail
