@@ -228,6 +228,23 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_node_watch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "node-watch", help="on a Ray worker node: stop its Ray once the head's Ray is gone",
+        description="Runs `ray stop` on this node when the head's GCS refuses connections "
+                    "three times in a row (2 s apart): `ray down` with the on-premises "
+                    "provider stops the head only. An unreachable head is left to Ray's own "
+                    "reconnect timeout. Exits when this node's raylet is gone.")
+    p.add_argument("--address", required=True, help="the head's GCS, host:port")
+
+
+def _run_node_watch(args: argparse.Namespace) -> int:
+    from launch.node_watch import watch
+
+    watch(args.address)
+    return 0
+
+
 def _model_name(model: str) -> str:
     return {"smollm2": "SmolLM2-135M-Instruct", "tiny": "pdserve-tiny"}.get(
         model, Path(model).name if os.path.isdir(model) else model
@@ -267,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_ray(sub)
     _add_scale(sub)
     _add_plan(sub)
+    _add_node_watch(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -281,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_scale(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "node-watch":
+            return _run_node_watch(args)
     except (PortBusy, EngineFailed, ValueError, RuntimeError, OSError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
