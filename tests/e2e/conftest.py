@@ -1,13 +1,12 @@
-"""Real-engine fixtures: one tiny-model and one SmolLM2 `pdserve dev` stack, shared by this
-package's tests and stopped when they are done (before tests/ray/ starts its own engines: this
-box has memory for one set at a time)."""
+"""Real-engine fixture: one tiny-model `pdserve dev` stack, shared by this package's tests and
+stopped when they are done (before the next package starts its own engines: this box has memory,
+and cores, for one set at a time). The SmolLM2 stack is tests/smollm2/'s."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness.stack import Stack, serving, start_dev
-from launch import testbed
 from tests.marks import mark_e2e
 
 TINY_PORTS = dict(port=18000, engine_base_port=18100, side_channel_base_port=15600)
@@ -31,24 +30,6 @@ def tiny_stack(tmp_path_factory) -> Stack:
                "--kv-blocks", "512", *STAGE_DEADLINES], **TINY_PORTS,
         env={"UCX_PROTO_INFO": "y"},  # UCX logs the transport of each operation (test_kv_transport)
     ) as stack:
-        yield stack
-
-
-@pytest.fixture(scope="package")
-def smollm2_stack(tmp_path_factory) -> Stack:
-    """`pdserve dev` on the default model (SmolLM2-135M-Instruct), policy auto, with the prefill
-    engine behind the throttled-link testbed when this machine can make one (root). KV for
-    8,192 tokens per engine (64 blocks, 0.37 GB), two of the longest request here: vLLM set up
-    1 GiB of it in ~10 s of each start; the prefill queue test's 8 x 2,000-token flood then
-    queues on it, as it is meant to."""
-    link = ["--link-mbit", "0"] if testbed.available() else []
-    with serving(
-        start_dev, model="smollm2", port=17000, engine_base_port=17100, side_channel_base_port=17600,
-        log_dir=tmp_path_factory.mktemp("smollm2-stack"), model_name="SmolLM2-135M-Instruct",
-        extra=["--kv-events-base-port", "17700", "--kv-blocks", "64", "--probe-tokens",
-               "64,256", "--reprobe-s", "5", "--engine-dev-endpoints", *link],
-    ) as stack:
-        stack.prefill_url = stack.run_info()["engines"][0]["url"]
         yield stack
 
 
